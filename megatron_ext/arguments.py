@@ -1,0 +1,265 @@
+"""Command-line flags shared by every entry script, with Megatron-LM's names where the meaning is the same.
+
+`--model PRESET` picks an architecture (models/presets.py); any architecture flag given explicitly overrides the
+preset's field. `validate_args` checks flag combinations before anything is built and names the flag to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Iterable, Optional
+
+from megatron_ext import platform
+from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message names the flag and the fix."""
+
+
+# Architecture flags: flag name -> (preset field, type, help). Defaults come from the preset.
+_ARCH_FLAGS = {
+    "--num-layers": ("num_layers", int, "number of transformer layers"),
+    "--hidden-size": ("hidden_size", int, "model width"),
+    "--ffn-hidden-size": ("ffn_hidden_size", int, "hidden size of the dense MLP layers"),
+    "--num-attention-heads": ("num_attention_heads", int, "attention heads"),
+    "--vocab-size": ("vocab_size", int, "vocabulary size before padding (a tokenizer sets it later)"),
+    "--q-lora-rank": ("q_lora_rank", int, "MLA query latent rank (0: no query compression)"),
+    "--kv-lora-rank": ("kv_lora_rank", int, "MLA key/value latent rank"),
+    "--qk-head-dim": ("qk_head_dim", int, "MLA per-head query/key dim without position part"),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", int, "MLA per-head rotary query/key dim"),
+    "--v-head-dim": ("v_head_dim", int, "MLA per-head value dim"),
+    "--num-experts": ("num_experts", int, "routed experts per MoE layer (0: dense model)"),
+    "--moe-router-topk": ("moe_router_topk", int, "experts each token is routed to"),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int, "hidden size of each routed expert"),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", int,
+                                              "hidden size of the shared expert (0: none)"),
+    "--first-k-dense-replace": ("first_k_dense", int, "the first k layers use a dense MLP instead of MoE"),
+    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", float,
+                                         "scale of the renormalised top-k routing weights"),
+    "--moe-router-num-groups": ("moe_router_num_groups", int, "expert groups for group-limited routing"),
+    "--moe-router-group-topk": ("moe_router_group_topk", int, "groups each token may use"),
+    "--moe-router-score-function": ("moe_router_score_function", str, "softmax or sigmoid"),
+    "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", str,
+                                         "aux_loss, seq_aux_loss, global_aux_loss or none"),
+    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", float, "weight of the load-balancing loss"),
+    "--rotary-base": ("rotary_base", float, "RoPE theta"),
+    "--position-embedding-type": ("rope_type", str, "rope or yarn"),
+    "--rotary-scaling-factor": ("rotary_scaling_factor", float, "YaRN context extension factor"),
+    "--original-max-position-embeddings": ("original_max_position_embeddings", int,
+                                           "context length the rotary frequencies were trained for"),
+    "--beta-fast": ("beta_fast", float, "YaRN beta_fast"),
+    "--beta-slow": ("beta_slow", float, "YaRN beta_slow"),
+    "--mscale": ("mscale", float, "YaRN mscale"),
+    "--mscale-all-dim": ("mscale_all_dim", float, "YaRN mscale_all_dim (also scales the softmax)"),
+    "--max-position-embeddings": ("max_position_embeddings", int, "longest supported sequence"),
+    "--norm-epsilon": ("norm_epsilon", float, "RMSNorm epsilon"),
+    "--mtp-num-layers": ("mtp_num_layers", int, "multi-token-prediction layers (0: none)"),
+    "--seq-length": ("seq_length", int, "training sequence length"),
+}
+
+
+def _add_model_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("model", "architecture; --model picks a preset, other flags override it")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="architecture preset")
+    for flag, (_, typ, help_) in _ARCH_FLAGS.items():
+        g.add_argument(flag, type=typ, default=None, help=help_ + " (default: from --model)")
+    g.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="aux-loss-free balancing: a non-learned per-expert bias used only to select experts")
+    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="separate output layer (default: from --model)")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"],
+                   help="how tokens reach their experts under expert parallelism")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="grouped GEMM experts (GPU)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step size of the expert-bias update")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times the tensor-parallel size")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probabilities")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP")
+    g.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
+                   help="module backend (default: transformer_engine where importable with CUDA, else local)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the summed MTP losses relative to the main LM loss")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("parallelism", "data parallelism is what remains of the world size")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard activations along the sequence between tensor-parallel ranks (needs TP > 1)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="expert-parallel ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert (default: 1 when EP > 1, else the TP size)")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state and master weights across data-parallel ranks")
+
+
+def _add_precision_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 master weights")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+                   help="FP8 through Transformer Engine (GPU only)")
+    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+                   help="FP8 scaling recipe")
+
+
+def _add_training_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch per rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default: micro batch size x data-parallel size)")
+    g.add_argument("--train-iters", type=int, default=10, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g.add_argument("--seed", type=int, default=1234, help="random seed")
+    g.add_argument("--log-interval", type=int, default=1, help="iterations between log lines")
+    g.add_argument("--mock-data", action="store_true", help="random tokens instead of a dataset")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the configuration and parameter counts without building the model")
+
+
+def build_parser(description: str = "", extra: Iterable[Callable[[argparse.ArgumentParser], None]] = ()):
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args, *extra):
+        add(parser)
+    return parser
+
+
+def resolve_preset(args: argparse.Namespace) -> ModelPreset:
+    """The effective architecture: the preset with every explicitly given flag applied."""
+    preset = get_preset(args.model)
+    changes = {}
+    for flag, (field, _, _) in _ARCH_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            changes[field] = value
+    for field in ("moe_router_enable_expert_bias", "untie_embeddings_and_output_weights"):
+        if getattr(args, field) is not None:
+            changes[field] = getattr(args, field)
+    # 0 switches optional parts off, as a flag cannot say None.
+    for field in ("q_lora_rank", "num_experts", "moe_shared_expert_intermediate_size"):
+        if changes.get(field) == 0:
+            changes[field] = None
+    return preset.replace(**changes)
+
+
+def parse_args(argv: Optional[list[str]] = None, description: str = "", extra=(),
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse, fill in the preset, derive sizes, validate. Raises ArgumentError on a bad combination."""
+    parser = build_parser(description, extra)
+    args = parser.parse_args(argv)
+    finalize_args(args, world_size)
+    return args
+
+
+def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    arch = resolve_preset(args)
+    args.arch = arch
+    # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.
+    for flag, (field, _, _) in _ARCH_FLAGS.items():
+        setattr(args, flag[2:].replace("-", "_"), getattr(arch, field))
+    args.moe_router_enable_expert_bias = arch.moe_router_enable_expert_bias
+    args.untie_embeddings_and_output_weights = arch.untie_embeddings_and_output_weights
+    if args.transformer_impl is None:
+        args.transformer_impl = platform.default_transformer_impl()
+    args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = 1 if args.expert_model_parallel_size > 1 else args.tensor_model_parallel_size
+    validate_args(args)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    _validate_batch(args)
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    return args
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _fail(msg: str):
+    raise ArgumentError(msg)
+
+
+def validate_args(args: argparse.Namespace):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp, cp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.context_parallel_size
+    world = args.world_size
+    arch: ModelPreset = args.arch
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp),
+                        ("--context-parallel-size", cp)):
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    if cp > 1:
+        _fail(f"--context-parallel-size {cp}: context parallelism is not supported yet; use "
+              "--context-parallel-size 1")
+    if world % (tp * pp * cp):
+        _fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+              f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
+              "change the parallel sizes or the number of ranks")
+    if world % (ep * etp * pp):
+        _fail(f"world size {world} is not divisible by --expert-model-parallel-size {ep} x "
+              f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
+              "change the expert-parallel sizes or the number of ranks")
+    if args.sequence_parallel and tp == 1:
+        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel or raise TP")
+    if arch.num_attention_heads % tp:
+        _fail(f"--num-attention-heads {arch.num_attention_heads} is not divisible by "
+              f"--tensor-model-parallel-size {tp}; pick a TP size that divides the head count")
+    if arch.num_layers % pp:
+        _fail(f"--num-layers {arch.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.sequence_parallel and arch.seq_length % tp:
+        _fail(f"--seq-length {arch.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
+              "under --sequence-parallel")
+    if arch.num_experts:
+        if arch.num_experts % ep:
+            _fail(f"--expert-model-parallel-size {ep} does not divide --num-experts {arch.num_experts}; "
+                  "pick an EP size that divides the expert count")
+        if not 1 <= arch.moe_router_topk <= arch.num_experts:
+            _fail(f"--moe-router-topk {arch.moe_router_topk} must be between 1 and --num-experts "
+                  f"{arch.num_experts}")
+        if arch.moe_router_enable_expert_bias and arch.moe_router_score_function != "sigmoid":
+            _fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if not 0 <= arch.first_k_dense <= arch.num_layers:
+            _fail(f"--first-k-dense-replace {arch.first_k_dense} must be between 0 and --num-layers")
+    elif ep > 1:
+        _fail(f"--expert-model-parallel-size {ep} needs an MoE model; set --num-experts or use EP 1")
+    if arch.mtp_num_layers < 0:
+        _fail(f"--mtp-num-layers must be >= 0, got {arch.mtp_num_layers}")
+    if arch.rope_type not in ("rope", "yarn"):
+        _fail(f"--position-embedding-type {arch.rope_type!r}: MLA supports 'rope' and 'yarn'")
+    if args.fp8_format and not platform.te_available():
+        _fail(f"--fp8-format {args.fp8_format} needs Transformer Engine on a CUDA GPU; drop --fp8-format "
+              "on this machine")
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        _fail("--fp8-format needs --transformer-impl transformer_engine")
+    if args.transformer_impl == "transformer_engine" and not platform.te_available():
+        _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
+              "--transformer-impl local")
+    if arch.seq_length > arch.max_position_embeddings:
+        _fail(f"--seq-length {arch.seq_length} exceeds --max-position-embeddings {arch.max_position_embeddings}")
+
+
+def _validate_batch(args: argparse.Namespace):
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
+    if args.pipeline_model_parallel_size > 1 and args.global_batch_size // per_step < 1:
+        _fail("pipeline parallelism needs at least one micro-batch per step")

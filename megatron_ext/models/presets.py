@@ -1,0 +1,199 @@
+"""Named architectures as data.
+
+A preset fixes the architecture; command-line flags override single fields (`arguments.py` maps every field to
+a Megatron-LM-named flag). `parameter_counts` computes total and per-token active parameters from a preset
+alone, so the real 1T model can be sized on a laptop without allocating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int  # dense layers
+    num_attention_heads: int
+    vocab_size: int
+    # MLA
+    q_lora_rank: Optional[int]  # None: plain q projection (DeepSeek-V2-Lite style)
+    kv_lora_rank: int
+    qk_head_dim: int  # the "nope" part
+    qk_pos_emb_head_dim: int  # the rope part
+    v_head_dim: int
+    # MoE
+    num_experts: Optional[int]
+    moe_router_topk: int
+    moe_ffn_hidden_size: int
+    moe_shared_expert_intermediate_size: Optional[int]
+    first_k_dense: int  # the first k layers use a dense MLP
+    moe_router_topk_scaling_factor: float
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_load_balancing_type: str = "seq_aux_loss"
+    moe_aux_loss_coeff: float = 1e-4
+    # positions
+    rotary_base: float = 10000.0
+    rope_type: str = "yarn"
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    max_position_embeddings: int = 4096
+    # norms and the rest
+    norm_epsilon: float = 1e-6
+    untie_embeddings_and_output_weights: bool = True
+    mtp_num_layers: int = 0
+    seq_length: int = 4096
+
+    def replace(self, **changes) -> "ModelPreset":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        if not self.num_experts:
+            return [0] * self.num_layers
+        return [0] * self.first_k_dense + [1] * (self.num_layers - self.first_k_dense)
+
+
+KIMI_K2_5 = ModelPreset(
+    num_layers=61,
+    hidden_size=7168,
+    ffn_hidden_size=18432,
+    num_attention_heads=64,
+    vocab_size=163840,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+    num_experts=384,
+    moe_router_topk=8,
+    moe_ffn_hidden_size=2048,
+    moe_shared_expert_intermediate_size=2048,
+    first_k_dense=1,
+    moe_router_topk_scaling_factor=2.827,
+    moe_router_num_groups=1,
+    moe_router_group_topk=1,
+    rotary_base=50000.0,
+    rotary_scaling_factor=64.0,
+    original_max_position_embeddings=4096,
+    # Copies of the K2 config disagree on beta_fast (1 vs 32); K2's own config.json says 1. --beta-fast overrides.
+    beta_fast=1.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+    max_position_embeddings=262144,
+    # Early K2 configs say 1e-6, later copies 1e-5; a converted checkpoint's config.json wins (--norm-epsilon).
+    norm_epsilon=1e-5,
+    mtp_num_layers=0,
+    seq_length=32768,
+)
+
+# Every architectural feature of K2.5 at CPU size: q/kv LoRA with latent norms, decoupled rope, YaRN, a first
+# dense layer, sigmoid routing with expert bias, top-k scaling, a shared expert, untied output, MTP.
+TINY = ModelPreset(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    vocab_size=1024,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    first_k_dense=1,
+    moe_router_topk_scaling_factor=2.5,
+    rotary_base=50000.0,
+    rotary_scaling_factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=1.0,
+    beta_slow=1.0,
+    max_position_embeddings=1024,
+    norm_epsilon=1e-5,
+    mtp_num_layers=1,
+    seq_length=64,
+)
+
+# No q LoRA (q_lora_rank None) and two dense layers: the DeepSeek-V2-Lite-style corner of the same family.
+TINY_NO_QLORA = TINY.replace(q_lora_rank=None, first_k_dense=2)
+
+PRESETS: dict[str, ModelPreset] = {
+    "kimi-k2.5": KIMI_K2_5,
+    "tiny": TINY,
+    "tiny-no-qlora": TINY_NO_QLORA,
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"--model {name!r} is not a known preset; choose one of {sorted(PRESETS)}") from None
+
+
+def _attention_params(p: ModelPreset) -> int:
+    h, n = p.hidden_size, p.num_attention_heads
+    q_head = p.qk_head_dim + p.qk_pos_emb_head_dim
+    if p.q_lora_rank:
+        q = h * p.q_lora_rank + p.q_lora_rank + p.q_lora_rank * n * q_head  # down, latent norm, up
+    else:
+        q = h * n * q_head
+    kv = h * (p.kv_lora_rank + p.qk_pos_emb_head_dim) + p.kv_lora_rank  # down (+rope key), latent norm
+    kv += p.kv_lora_rank * n * (p.qk_head_dim + p.v_head_dim)  # up
+    out = n * p.v_head_dim * h
+    return q + kv + out + h  # + input norm
+
+
+def _mlp_params(h: int, ffn: int) -> int:
+    return 3 * h * ffn  # gated (SwiGLU): gate, up, down
+
+
+def _moe_params(p: ModelPreset, experts: int) -> int:
+    h = p.hidden_size
+    shared = _mlp_params(h, p.moe_shared_expert_intermediate_size or 0)
+    return p.num_experts * h + experts * _mlp_params(h, p.moe_ffn_hidden_size) + shared
+
+
+def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int]:
+    """(total, active per token) learnable parameters, embeddings and output layer included.
+
+    Active counts the routed experts a token visits (top-k) instead of all of them. MTP layers count towards
+    the total (they are trained) but not towards the active parameters of a forward pass for the main head.
+    """
+    h = p.hidden_size
+    total = active = 0
+    for is_moe in p.moe_layer_pattern:
+        attn = _attention_params(p)
+        post_norm = h
+        if is_moe:
+            total += attn + post_norm + _moe_params(p, p.num_experts)
+            active += attn + post_norm + _moe_params(p, p.moe_router_topk)
+        else:
+            dense = attn + post_norm + _mlp_params(h, p.ffn_hidden_size)
+            total += dense
+            active += dense
+    embeddings = p.vocab_size * h * (2 if p.untie_embeddings_and_output_weights else 1)
+    final_norm = h
+    total += embeddings + final_norm
+    active += embeddings + final_norm
+    if include_mtp and p.mtp_num_layers:
+        last_is_moe = p.moe_layer_pattern[-1]
+        layer = _attention_params(p) + h + (_moe_params(p, p.num_experts) if last_is_moe
+                                             else _mlp_params(h, p.ffn_hidden_size))
+        # enorm, hnorm, eh_proj (2h -> h), the transformer layer, a final norm; embedding and head are shared
+        total += p.mtp_num_layers * (2 * h + 2 * h * h + layer + h)
+    return total, active

@@ -1,0 +1,260 @@
+"""Device and backend choice, and the one place that adapts Megatron-Core to a machine without CUDA.
+
+Megatron-Core 0.16.1 assumes CUDA, Transformer Engine and NCCL in a handful of places (DESIGN.md section 4).
+On a GPU node none of this module's bridges are installed and Megatron-Core runs untouched. Without CUDA,
+`install()` bridges each gap so that the very same model, schedules and optimizer run on the CPU with gloo:
+
+* `torch.cuda` entry points that Megatron-Core calls unconditionally get CPU stand-ins (current device,
+  streams, events, synchronisation, RNG state, memory statistics);
+* a `TorchFunctionMode` maps any CUDA device argument (``"cuda"``, ``cuda:N``, a bare index) to the CPU and
+  reports CPU tensors under their CUDA type names, which covers every hard-coded ``device="cuda"`` at once;
+* Transformer-Engine-only branches that are taken although TE is absent are switched off;
+* gloo's ``all_to_all_single`` gets its split sizes as lists;
+* torch.compile (Megatron-Core's ``jit_fuser``) is switched off: ~20 s of CPU compilation per process, no gain.
+
+`install()` is idempotent and cheap; importing `megatron_ext` calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def bridge_needed() -> bool:
+    """True when Megatron-Core must be adapted: no usable CUDA device in this process."""
+    if os.environ.get("MEGATRON_EXT_FORCE_CPU") == "1":
+        return True
+    return not cuda_available()
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine can be used; only with CUDA (TE does not run on a CPU)."""
+    return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def device() -> torch.device:
+    if bridge_needed():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def dist_backend() -> str:
+    return "gloo" if bridge_needed() else "nccl"
+
+
+def default_transformer_impl() -> str:
+    return "transformer_engine" if te_available() else "local"
+
+
+def is_bridged() -> bool:
+    return _INSTALLED and _MODE is not None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The bridges
+# --------------------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # A bare integer is a CUDA ordinal in torch's device grammar.
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda_device(dev):
+            kwargs = dict(kwargs, device=_CPU)
+        if func is torch.device and args and _is_cuda_device(args[0]):
+            return _CPU
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizers accept only 'torch.cuda.*Tensor' parameters; CPU stands in for CUDA.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        return func(*args, **kwargs)
+
+
+class _CpuEvent:
+    """Stand-in for `torch.cuda.Event`: CPU work is synchronous, so an event is a timestamp."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+class _CpuStream:
+    """Stand-in for `torch.cuda.Stream`: one in-order CPU stream."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device = _CPU
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _CpuEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+_STREAM = _CpuStream()
+
+
+def _returning(value):
+    """A fresh function object per patched name: torch._dynamo rejects one object registered under two names."""
+    return lambda *args, **kwargs: value
+
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    cuda.current_device = _returning(0)
+    cuda.set_device = _returning(None)
+    cuda.synchronize = _returning(None)
+    cuda.empty_cache = _returning(None)
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: _STREAM
+    cuda.default_stream = lambda device=None: _STREAM
+    cuda.set_stream = _returning(None)
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.memory_allocated = _returning(0)
+    cuda.max_memory_allocated = _returning(0)
+    cuda.memory_reserved = _returning(0)
+    cuda.max_memory_reserved = _returning(0)
+    cuda.reset_peak_memory_stats = _returning(None)
+    cuda.memory_stats = lambda device=None: {}
+    # Megatron's RNG tracker forks "the CUDA generator" around tensor-parallel regions; on the CPU the
+    # generator that dropout and init actually draw from is the default CPU generator.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = _returning(None)  # torch.manual_seed calls it after seeding the CPU generator
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.random.manual_seed = cuda.manual_seed
+
+
+def _patch_megatron_core():
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.moe import moe_utils
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+    # Both modules guard TE-only code with a flag that is set although TE is absent (its classes are mocks).
+    mla.HAVE_TE = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_gloo_all_to_all():
+    original = dist.all_to_all_single
+    if getattr(original, "_megatron_ext_bridge", False):
+        return
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        # gloo wants Python lists; Megatron's alltoall dispatcher hands it tensors.
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    all_to_all_single._megatron_ext_bridge = True
+    dist.all_to_all_single = all_to_all_single
+
+
+def install() -> bool:
+    """Bridge Megatron-Core to the CPU when CUDA is absent. Returns whether bridges are active.
+
+    Safe to call any number of times; with CUDA present it does nothing at all.
+    """
+    global _INSTALLED, _MODE
+    if _INSTALLED:
+        return _MODE is not None
+    _INSTALLED = True
+    if not bridge_needed():
+        return False
+    import megatron.core  # noqa: F401  (torch._dynamo indexes torch.cuda on first import; let it see the originals)
+
+    _patch_torch_cuda()
+    _patch_gloo_all_to_all()
+    if os.environ.get("MEGATRON_EXT_CPU_COMPILE") != "1":
+        # Megatron-Core wraps its fused kernels in torch.compile; on a CPU that costs ~20 s of compilation per
+        # process for no gain at development sizes. MEGATRON_EXT_CPU_COMPILE=1 keeps it.
+        torch._dynamo.config.disable = True
+    _patch_megatron_core()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    return True
+
+
+def ensure_mode_on_this_thread():
+    """TorchFunctionModes are thread-local; threads that run Megatron-Core code call this first."""
+    if _MODE is not None and not any(isinstance(m, _CudaToCpuMode) for m in _active_modes()):
+        _CudaToCpuMode().__enter__()
+
+
+def _active_modes():
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()

@@ -1,0 +1,65 @@
+"""Process groups, Megatron-Core parallel state and seeds."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_ext import platform
+
+
+def initialize_distributed(args: argparse.Namespace):
+    """Join the job's process group (torchrun's environment; a one-rank group without it) and build
+    Megatron-Core's tensor/pipeline/expert/context/data groups."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if not platform.bridge_needed():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=platform.dist_backend(), timeout=timedelta(minutes=10))
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"flags were validated for world size {args.world_size} but the job has "
+                           f"{dist.get_world_size()} ranks")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    set_seed(args.seed)
+
+
+def set_seed(seed: int):
+    """Same seed on every rank; Megatron's tracker derives the tensor- and expert-parallel streams."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # On the CPU the "CUDA" generator is the CPU one (platform.py); reseat it so initialisation starts from
+    # the job seed whatever model_parallel_cuda_manual_seed left in it.
+    torch.manual_seed(seed)
+
+
+def destroy():
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,117 @@
+"""Model and optimizer set-up and one training step, all through Megatron-Core.
+
+`setup_model_and_optimizer` builds this rank's pipeline stage with `model_provider`, wraps it in Megatron-Core's
+`DistributedDataParallel` and builds `get_megatron_optimizer` (optionally the distributed optimizer);
+`train_step` runs `get_forward_backward_func` over the micro-batches of one global batch, lets
+`finalize_model_grads` reduce gradients (DP, SP-marked norms, tied embeddings, expert bias) and steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from megatron_ext.models.provider import model_provider, transformer_config
+
+
+def build_model(args: argparse.Namespace, wrap_ddp: bool = True) -> list[torch.nn.Module]:
+    config = transformer_config(args)
+    model = model_provider(
+        args,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        config=config,
+    )
+    if not wrap_ddp:
+        return [model]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp.broadcast_params()  # identical data-parallel replicas even if initialisation drew different numbers
+    return [ddp]
+
+
+def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model)
+
+
+def setup_model_and_optimizer(args: argparse.Namespace):
+    model = build_model(args)
+    optimizer = build_optimizer(args, model)
+    cfg = model[0].config
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.grad_scale_func = optimizer.scale_loss
+    return model, optimizer
+
+
+def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list[torch.nn.Module], optimizer,
+               args: argparse.Namespace, num_microbatches: int) -> dict:
+    """One optimizer step over a global batch. Returns the step's losses (averaged over the global batch,
+    available on every rank), grad norm and whether the step was applied."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    success, grad_norm, num_zeros = optimizer.step()
+    return {"losses": step_losses(outputs, model[0].config, num_microbatches), "grad_norm": grad_norm,
+            "skipped": not success}
+
+
+def step_losses(outputs: list[dict], config, num_microbatches: int) -> dict[str, float]:
+    """The step's losses as Megatron logs them, identical on every rank.
+
+    LM losses are token-weighted means over the micro-batches and data-parallel ranks; MoE load-balancing and
+    MTP losses come from Megatron-Core's trackers, averaged over layers and micro-batches.
+    """
+    totals: dict = {}
+    if config.num_moe_experts:
+        # Collective over the model-parallel ranks: every rank takes part.
+        track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
+                          num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
+                          mtp_num_layers=config.mtp_num_layers)
+        clear_aux_losses_tracker()
+    losses = [None]
+    if parallel_state.is_pipeline_last_stage():
+        for name in sorted(outputs[0]):
+            s = torch.stack([o[name] for o in outputs]).sum(0).float()
+            torch.distributed.all_reduce(s, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            totals[name] = s[0] / s[1]
+        if config.mtp_num_layers:
+            MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=0, writer=None,
+                                                   total_loss_dict=totals)
+        losses = [{k: float(v) for k, v in totals.items()}]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast_object_list(losses, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+    return losses[0]
