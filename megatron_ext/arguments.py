@@ -217,6 +217,11 @@ def validate_args(args: argparse.Namespace):
         _fail(f"world size {world} is not divisible by --expert-model-parallel-size {ep} x "
               f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
               "change the expert-parallel sizes or the number of ranks")
+    if tp > 1 and not args.sequence_parallel:
+        # Megatron-Core refuses MoE + TP without SP, and the local MLA's replicated down projections
+        # (models/specs.py) have their gradients summed over TP only on the sequence-parallel path.
+        _fail(f"--tensor-model-parallel-size {tp} needs --sequence-parallel for MLA and MoE layers; "
+              "add --sequence-parallel")
     if args.sequence_parallel and tp == 1:
         _fail("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel or raise TP")
     if arch.num_attention_heads % tp:

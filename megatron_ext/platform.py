@@ -164,7 +164,9 @@ def _returning(value):
 
 def _patch_torch_cuda():
     cuda = torch.cuda
-    cuda.current_device = _returning(0)
+    # A device object rather than ordinal 0: `device=torch.cuda.current_device()` then means the CPU on its own,
+    # also where no TorchFunctionMode is active (autograd runs custom backward functions outside it).
+    cuda.current_device = _returning(_CPU)
     cuda.set_device = _returning(None)
     cuda.synchronize = _returning(None)
     cuda.empty_cache = _returning(None)

@@ -6,12 +6,13 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ext import platform
 from megatron_ext.models.presets import ModelPreset, parameter_counts
-from megatron_ext.models.specs import decoder_block_spec, mtp_block_spec
+from megatron_ext.models.specs import ReplicatedLinear, decoder_block_spec, mtp_block_spec
 
 
 def transformer_config(args: argparse.Namespace) -> MLATransformerConfig:
@@ -93,7 +94,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
                    vp_stage=None, config: MLATransformerConfig | None = None) -> GPTModel:
     """The model piece this rank holds: its pipeline stage, its tensor and expert shards."""
     config = config or transformer_config(args)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
@@ -106,6 +107,21 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
         mtp_block_spec=mtp_block_spec(config, args.transformer_impl, vp_stage=vp_stage),
         vp_stage=vp_stage,
     )
+    init_replicated_linears_(model, config)
+    return model
+
+
+@torch.no_grad()
+def init_replicated_linears_(model: torch.nn.Module, config: MLATransformerConfig):
+    """Megatron's init for the TP-replicated MLA down projections (their class keeps torch's default init),
+    broadcast so every tensor-parallel rank holds the same copy."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for module in model.modules():
+        if type(module) is ReplicatedLinear:
+            config.init_method(module.weight)
+            if tp_group.size() > 1:
+                torch.distributed.broadcast(module.weight, src=torch.distributed.get_global_rank(tp_group, 0),
+                                            group=tp_group)
 
 
 def print_parameter_counts(args: argparse.Namespace, print_fn=print):

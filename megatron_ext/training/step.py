@@ -22,7 +22,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from megatron_ext.models.provider import model_provider, transformer_config
 
 
-def build_model(args: argparse.Namespace, wrap_ddp: bool = True) -> list[torch.nn.Module]:
+def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
+                init_fn: Callable[[torch.nn.Module], None] | None = None) -> list[torch.nn.Module]:
+    """This rank's model chunk; `init_fn` may rewrite its weights before DDP copies them into its buffers."""
     config = transformer_config(args)
     model = model_provider(
         args,
@@ -30,6 +32,8 @@ def build_model(args: argparse.Namespace, wrap_ddp: bool = True) -> list[torch.n
         post_process=parallel_state.is_pipeline_last_stage(),
         config=config,
     )
+    if init_fn is not None:
+        init_fn(model)
     if not wrap_ddp:
         return [model]
     ddp_config = DistributedDataParallelConfig(
@@ -58,8 +62,8 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
     return get_megatron_optimizer(config, model)
 
 
-def setup_model_and_optimizer(args: argparse.Namespace):
-    model = build_model(args)
+def setup_model_and_optimizer(args: argparse.Namespace, init_fn=None):
+    model = build_model(args, init_fn=init_fn)
     optimizer = build_optimizer(args, model)
     cfg = model[0].config
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -97,6 +101,9 @@ def step_losses(outputs: list[dict], config, num_microbatches: int) -> dict[str,
     totals: dict = {}
     if config.num_moe_experts:
         # Collective over the model-parallel ranks: every rank takes part.
+        import os
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker as _g
+        if os.environ.get('DBG'): print('DBG', torch.distributed.get_rank(), {k: v['values'].tolist() for k, v in _g().items()})
         track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
                           num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
                           mtp_num_layers=config.mtp_num_layers)

@@ -1,0 +1,64 @@
+"""Run pretrain_composer.py's own forward step under a parallel layout in gloo worker processes.
+
+Every run starts from the same layout-invariant weights (megatron_ext.testing) and sees the same global batches,
+so any two layouts must produce the same losses and gradient norms up to floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import warnings
+from functools import partial
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int):
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import megatron_ext  # noqa: F401
+    import pretrain_composer as entry
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import setup_model_and_optimizer, train_step
+
+    args = parse_args(flags, world_size=world)
+    initialize_distributed(args)
+    model, optimizer = setup_model_and_optimizer(args, init_fn=partial(init_layout_invariant_, seed=init_seed))
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    results = []
+    for iteration in range(steps):
+        r = train_step(entry.forward_step, entry.train_data_iterator(args, iteration), model, optimizer, args,
+                       num_microbatches)
+        results.append({"losses": r["losses"], "grad_norm": float(r["grad_norm"])})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    destroy()
+
+
+def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1) -> list[dict]:
+    """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed), nprocs=world,
+                           join=True, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)

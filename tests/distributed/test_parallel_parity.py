@@ -1,0 +1,44 @@
+"""Every parallel layout the code claims to support trains like one rank: same losses, same gradient norm."""
+
+import math
+
+import pytest
+
+from tests.distributed.harness import run_layout
+
+# A tiny K2.5: MLA with q/kv LoRA, YaRN, first layer dense, sigmoid router with expert bias, shared expert, MTP.
+BASE = ["--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-2", "--seed", "7"]
+
+LAYOUTS = {
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "dp2_distopt": (2, ["--use-distributed-optimizer"]),
+    "tp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]),
+    "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+}
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_layout(BASE, world=1)
+
+
+def _assert_close(name, got, want):
+    assert math.isclose(got, want, rel_tol=RTOL, abs_tol=0.0), f"{name}: {got!r} != {want!r}"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_rank(layout, reference):
+    world, flags = LAYOUTS[layout]
+    result = run_layout(BASE + flags, world=world)
+    for step, (got, want) in enumerate(zip(result, reference)):
+        assert set(got["losses"]) == set(want["losses"])
+        assert {"lm loss", "mtp_1 loss"} <= set(want["losses"])
+        for name, value in want["losses"].items():
+            _assert_close(f"step {step} {name}", got["losses"][name], value)
+        _assert_close(f"step {step} grad norm", got["grad_norm"], want["grad_norm"])
