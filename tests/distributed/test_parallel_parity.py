@@ -17,7 +17,8 @@ LAYOUTS = {
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
     "tp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]),
     "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
-    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                    "--pipeline-model-parallel-size", "2"]),
 }
 
 RTOL = 1e-5

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-ext",
+    version="0.1.0",
+    description="Megatron-Core research code for the Composer 2 recipe: continued pretraining and asynchronous "
+                "RL of Kimi K2.5 for agentic coding",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    py_modules=["pretrain_composer"],
+    python_requires=">=3.10",
+    install_requires=[
+        "megatron-core==0.16.1",  # DESIGN.md section 4 documents this release's CPU gaps; newer ones move them
+        "torch>=2.6",
+        "numpy",
+        "nltk",
+        "tensorboard",
+        "psutil",
+        "einops",
+    ],
+    extras_require={
+        "dev": ["pytest", "transformers", "safetensors"],
+        # Transformer Engine for FP8 and fused kernels on H100/H200; install apex from source if wanted
+        # (https://github.com/NVIDIA/apex), it is not on PyPI.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
