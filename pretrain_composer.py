@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from functools import partial
 
 import torch
@@ -18,8 +17,9 @@ from megatron.core import parallel_state
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.data.mock import mock_microbatches
 from megatron_ext.models.provider import print_parameter_counts
+from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import setup_model_and_optimizer, train_step
+from megatron_ext.training.loop import TrainingAborted, pretrain
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -39,10 +39,17 @@ def forward_step(data_iterator, model):
 
 
 def train_data_iterator(args, iteration: int):
-    """Mock micro-batches for this rank's data-parallel slot (real datasets arrive with the data pipeline)."""
+    """Mock micro-batches of `iteration` for this rank's data-parallel slot (real datasets: the data pipeline)."""
     return mock_microbatches(iteration, args.global_batch_size, args.micro_batch_size,
                              parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                              args.seq_length, args.vocab_size, args.seed)
+
+
+def valid_data_iterator(args, k: int):
+    """The k-th validation batch: mock samples from a stream disjoint from training's."""
+    return mock_microbatches(k, args.global_batch_size, args.micro_batch_size,
+                             parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                             args.seq_length, args.vocab_size, args.seed + 1_000_000)
 
 
 def main(argv=None):
@@ -59,23 +66,15 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     initialize_distributed(args)
-    rank = torch.distributed.get_rank()
-    log = print if rank == 0 else (lambda *a, **k: None)
+    log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
     print_parameter_counts(args, log)
-    model, optimizer = setup_model_and_optimizer(args)
-    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    for iteration in range(args.train_iters):
-        t0 = time.perf_counter()
-        result = train_step(forward_step, train_data_iterator(args, iteration), model, optimizer, args,
-                            num_microbatches)
-        elapsed = (time.perf_counter() - t0) * 1000
-        if (iteration + 1) % args.log_interval == 0:
-            losses = " | ".join(f"{k}: {v:.6E}" for k, v in result["losses"].items())
-            log(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | consumed samples: "
-                f"{(iteration + 1) * args.global_batch_size} | elapsed time per iteration (ms): {elapsed:.1f} | "
-                f"learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size} | {losses} | "
-                f"grad norm: {result['grad_norm']:.3f} | number of skipped iterations: {int(result['skipped'])}",
-                flush=True)
+    try:
+        pretrain(args, forward_step, partial(train_data_iterator, args), partial(valid_data_iterator, args),
+                 log=log)
+    except (TrainingAborted, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        destroy()
+        return 1
     destroy()
     return 0
 

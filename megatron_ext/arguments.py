@@ -114,24 +114,64 @@ def _add_training_args(parser: argparse.ArgumentParser):
     g.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch per rank")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default: micro batch size x data-parallel size)")
-    g.add_argument("--train-iters", type=int, default=10, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or give --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None, help="samples to train on; sets --train-iters")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving if --save is set) when the iteration is a multiple of this")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="adam is AdamW (decoupled weight decay)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "WSD",
+                                                                  "inverse-square-root"],
+                   help="learning-rate schedule after warm-up")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warm-up")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="decay steps (default: --train-iters)")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD's final decay shape")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: steps of the final decay")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g.add_argument("--max-skipped", type=int, default=10,
+                   help="abort after this many consecutive steps skipped for a NaN/Inf loss or grad norm")
     g.add_argument("--seed", type=int, default=1234, help="random seed")
-    g.add_argument("--log-interval", type=int, default=1, help="iterations between log lines")
-    g.add_argument("--mock-data", action="store_true", help="random tokens instead of a dataset")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of a dataset")
     g.add_argument("--dry-run", action="store_true",
                    help="print the configuration and parameter counts without building the model")
+    g.add_argument("--eval-interval", type=int, default=None, help="iterations between validation runs")
+    g.add_argument("--eval-iters", type=int, default=10, help="validation batches per evaluation")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("checkpointing", "Megatron-Core dist_checkpointing, reshardable across layouts")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; optimizer, scheduler and iteration start fresh")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number-generator state")
+    g.add_argument("--no-save-optim", action="store_true", help="save model weights only")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1, help="iterations between log lines")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    g.add_argument("--inject-nan-iterations", type=int, nargs="*", default=[],
+                   help="fault injection: make the loss NaN at these iterations (tests the skip logic)")
 
 
 def build_parser(description: str = "", extra: Iterable[Callable[[argparse.ArgumentParser], None]] = ()):
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args, *extra):
+    for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
+                _add_checkpoint_args, _add_logging_args, *extra):
         add(parser)
     return parser
 
@@ -182,9 +222,39 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     _validate_batch(args)
+    _validate_training(args)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     return args
+
+
+def _validate_training(args: argparse.Namespace):
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            _fail("give either --train-iters or --train-samples, not both")
+        args.train_iters = -(-args.train_samples // args.global_batch_size)
+    if args.train_iters is None:
+        args.train_iters = 10
+    if args.train_iters < 0:
+        _fail(f"--train-iters must be >= 0, got {args.train_iters}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
+        _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (the length of the final decay)")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.save_interval is not None and args.save is None:
+        _fail("--save-interval needs --save DIR")
+    for flag in ("save_interval", "exit_interval", "eval_interval", "log_interval"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            _fail(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.finetune and not args.load:
+        _fail("--finetune needs --load DIR (the weights to start from)")
+    if args.max_skipped < 1:
+        _fail(f"--max-skipped must be >= 1, got {args.max_skipped}")
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -48,18 +51,40 @@ def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
 
 def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
     config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer,
         lr=args.lr,
+        min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return get_megatron_optimizer(config, model)
+
+
+def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """Megatron-Core's scheduler, counted in samples as Megatron-LM does (it steps by the global batch)."""
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=max(args.lr_decay_iters, 1) * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1) * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
 
 
 def setup_model_and_optimizer(args: argparse.Namespace, init_fn=None):
@@ -73,8 +98,12 @@ def setup_model_and_optimizer(args: argparse.Namespace, init_fn=None):
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list[torch.nn.Module], optimizer,
                args: argparse.Namespace, num_microbatches: int) -> dict:
-    """One optimizer step over a global batch. Returns the step's losses (averaged over the global batch,
-    available on every rank), grad norm and whether the step was applied."""
+    """One optimizer step over a global batch.
+
+    Returns the step's losses (global-batch means, the same on every rank), the gradient norm before clipping
+    and whether the update was skipped: a NaN/Inf loss or gradient norm skips it, leaving weights and optimizer
+    state untouched (Megatron-Core has already updated the expert bias from the step's routing counts).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -87,9 +116,63 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    success, grad_norm, num_zeros = optimizer.step()
-    return {"losses": step_losses(outputs, model[0].config, num_microbatches), "grad_norm": grad_norm,
-            "skipped": not success}
+    losses = step_losses(outputs, model[0].config, num_microbatches)
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    finite = not found_inf and math.isfinite(grad_norm) and all(math.isfinite(v) for v in losses.values())
+    if finite:
+        _clip_grads(optimizer, grad_norm)
+        finite = optimizer.step_with_ready_grads()
+    return {"losses": losses, "grad_norm": grad_norm, "skipped": not finite}
+
+
+def _clip_grads(optimizer, grad_norm: float):
+    """Clip by the global norm already computed (what MegatronOptimizer.step does after its own norm)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, grad_norm,
+                                         opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+
+@torch.no_grad()
+def eval_step(forward_step_func: Callable, data_iterator: Iterator, model: list[torch.nn.Module],
+              args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
+    """Forward-only losses over one global batch; auxiliary-loss trackers are left as they were found empty."""
+    for chunk in model:
+        chunk.eval()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=True,
+    )
+    for chunk in model:
+        chunk.train()
+    clear_aux_losses_tracker()
+    losses = [None]
+    if parallel_state.is_pipeline_last_stage():
+        losses = [_token_means(outputs)]
+    _broadcast_from_last_stage(losses)
+    return losses[0]
+
+
+def _token_means(outputs: list[dict]) -> dict[str, float]:
+    out = {}
+    for name in sorted(outputs[0]) if outputs else []:
+        s = torch.stack([o[name] for o in outputs]).sum(0).float()
+        torch.distributed.all_reduce(s, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        out[name] = float(s[0] / s[1])
+    return out
+
+
+def _broadcast_from_last_stage(box: list):
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
 
 
 def step_losses(outputs: list[dict], config, num_microbatches: int) -> dict[str, float]:
@@ -101,24 +184,16 @@ def step_losses(outputs: list[dict], config, num_microbatches: int) -> dict[str,
     totals: dict = {}
     if config.num_moe_experts:
         # Collective over the model-parallel ranks: every rank takes part.
-        import os
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker as _g
-        if os.environ.get('DBG'): print('DBG', torch.distributed.get_rank(), {k: v['values'].tolist() for k, v in _g().items()})
         track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
                           num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
                           mtp_num_layers=config.mtp_num_layers)
         clear_aux_losses_tracker()
     losses = [None]
     if parallel_state.is_pipeline_last_stage():
-        for name in sorted(outputs[0]):
-            s = torch.stack([o[name] for o in outputs]).sum(0).float()
-            torch.distributed.all_reduce(s, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            totals[name] = s[0] / s[1]
+        totals.update(_token_means(outputs))
         if config.mtp_num_layers:
             MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=0, writer=None,
                                                    total_loss_dict=totals)
         losses = [{k: float(v) for k, v in totals.items()}]
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast_object_list(losses, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                                group=parallel_state.get_pipeline_model_parallel_group())
+    _broadcast_from_last_stage(losses)
     return losses[0]

@@ -1,0 +1,218 @@
+"""Checkpoints through Megatron-Core `dist_checkpointing`: reshardable across TP/PP/EP/DP, atomic, verifiable.
+
+Layout of a save directory (Megatron-LM's, so its tools recognise it)::
+
+    SAVE/iter_0000040/            one dist checkpoint: model, optimizer, per-rank RNG, common state
+    SAVE/iter_0000040/manifest.json   every file of the checkpoint with its size, written last
+    SAVE/latest_checkpointed_iteration.txt
+
+A checkpoint is written into ``iter_N.tmp`` and renamed only once every rank has finished and the manifest is
+written; the tracker is replaced after that. A crash at any point leaves the previous tracker pointing at a
+complete checkpoint. Loading verifies the manifest first, so a truncated or missing file is reported by name
+before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+from megatron_ext import platform
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the directory or file and what is wrong."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def _layout(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                          "expert_model_parallel_size", "expert_tensor_parallel_size",
+                                          "context_parallel_size")}
+
+
+def _serializable_args(args: argparse.Namespace) -> dict:
+    out = {}
+    for k, v in vars(args).items():
+        if dataclasses.is_dataclass(v):
+            v = dataclasses.asdict(v)
+        if isinstance(v, (str, int, float, bool, type(None), list, tuple, dict)):
+            out[k] = v
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if not platform.bridge_needed():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and not platform.bridge_needed():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(args: argparse.Namespace) -> ShardedObject:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+
+
+def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: bool, loading: bool) -> dict:
+    model_sd = _unwrap(model[0]).sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    state = {"model": model_sd}
+    if with_optimizer and optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object(args)
+    return state
+
+
+def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, scheduler, extra: dict | None = None):
+    """Save atomically under args.save; every rank calls this."""
+    root = args.save
+    final, tmp = checkpoint_dir(root, iteration), checkpoint_dir(root, iteration) + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state_dict(args, model, optimizer, with_optimizer=not args.no_save_optim, with_rng=True,
+                                loading=False)
+    state.update(iteration=iteration, format_version=FORMAT_VERSION, args=_serializable_args(args),
+                 layout=_layout(args), opt_param_scheduler=scheduler.state_dict() if scheduler else None,
+                 **(extra or {}))
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if rank == 0:
+        _write_manifest(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+
+
+def _write_manifest(ckpt: str):
+    files = {}
+    for dirpath, _, names in os.walk(ckpt):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, ckpt)] = os.path.getsize(path)
+    with open(os.path.join(ckpt, MANIFEST), "w") as f:
+        json.dump({"format_version": FORMAT_VERSION, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checkpoint(ckpt: str):
+    """Raise CheckpointError naming the problem if `ckpt` is not a complete checkpoint."""
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    manifest_path = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"{ckpt} has no {MANIFEST}: it was not completely written (or is not ours)")
+    try:
+        manifest = json.load(open(manifest_path))
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
+    for rel, size in files.items():
+        path = os.path.join(ckpt, rel)
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        actual = os.path.getsize(path)
+        if actual != size:
+            raise CheckpointError(f"checkpoint file {path} is {actual} bytes, expected {size}: truncated or "
+                                  "overwritten")
+
+
+def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=print) -> tuple[int, dict]:
+    """Load the latest checkpoint under args.load into model (and optimizer, scheduler, RNG unless told not to).
+
+    Returns (iteration to resume from, common state). A directory without a tracker means "nothing saved yet":
+    training starts from scratch, as on the first run of a job that always passes --load.
+    """
+    root = args.load
+    iteration = read_tracker(root)
+    if iteration is None:
+        log(f"no checkpoint found under {root} ({TRACKER} missing): starting from scratch")
+        return 0, {}
+    ckpt = checkpoint_dir(root, iteration)
+    verify_checkpoint(ckpt)
+    try:
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+    except Exception as e:  # torch.load's errors do not say which checkpoint
+        raise CheckpointError(f"cannot read the common state of {ckpt}: {e}") from e
+    if common.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt} has format version {common.get('format_version')}, expected {FORMAT_VERSION}")
+    load_optim = not (args.finetune or args.no_load_optim) and optimizer is not None
+    if load_optim and common["args"].get("no_save_optim"):
+        raise CheckpointError(f"{ckpt} was saved without optimizer state; pass --no-load-optim or --finetune")
+    same_layout = common.get("layout") == _layout(args)
+    load_rng = not (args.finetune or args.no_load_rng) and same_layout
+    if not same_layout:
+        log(f"loading {ckpt} saved under {common.get('layout')} into {_layout(args)}: resharding, RNG state not "
+            "restored")
+    state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
+    try:
+        loaded = dist_checkpointing.load(state, ckpt)
+    except Exception as e:
+        raise CheckpointError(f"cannot load {ckpt}: {type(e).__name__}: {e}") from e
+    _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
+    if scheduler is not None and common.get("opt_param_scheduler") and not args.finetune:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        rng = loaded["rng_state"]
+        _set_rng_state(rng.data if isinstance(rng, ShardedObject) else rng)
+    start = 0 if args.finetune else iteration
+    log(f"loaded {ckpt} (iteration {iteration}{', weights only' if args.finetune else ''})")
+    return start, common
