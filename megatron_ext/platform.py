@@ -10,6 +10,7 @@ On a GPU node none of this module's bridges are installed and Megatron-Core runs
   reports CPU tensors under their CUDA type names, which covers every hard-coded ``device="cuda"`` at once;
 * Transformer-Engine-only branches that are taken although TE is absent are switched off;
 * gloo's ``all_to_all_single`` gets its split sizes as lists;
+* the distributed optimizer's reshardable checkpoint loads with torch's Adam (no TE/apex fused Adam);
 * torch.compile (Megatron-Core's ``jit_fuser``) is switched off: ~20 s of CPU compilation per process, no gain.
 
 `install()` is idempotent and cheap; importing `megatron_ext` calls it.
@@ -201,10 +202,38 @@ def _patch_megatron_core():
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
+    _patch_distributed_optimizer_step_state()
+
     # Both modules guard TE-only code with a flag that is set although TE is absent (its classes are mocks).
     mla.HAVE_TE = False
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_distributed_optimizer_step_state():
+    """Loading a fully reshardable distributed-optimizer checkpoint without TE/apex.
+
+    torch's Adam keeps a per-parameter ``step`` tensor; Megatron-Core saves ``step`` once in the common state
+    and restores it from there, but its per-parameter copy loop also expects ``step`` among the loaded tensors.
+    The parameter's own ``step`` is passed through instead (the common one overwrites it).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_megatron_ext_bridge", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = dict(tensors, step=step)
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._megatron_ext_bridge = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def _patch_gloo_all_to_all():

@@ -74,6 +74,11 @@ def _serializable_args(args: argparse.Namespace) -> dict:
     return out
 
 
+def _optimizer_parts(optimizer) -> int:
+    """How many optimizers Megatron-Core chained: one, or two once EP > 1 gives experts their own."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer])) if optimizer is not None else 0
+
+
 def _rng_state() -> dict:
     state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
@@ -97,10 +102,13 @@ def _rng_sharded_object(args: argparse.Namespace) -> ShardedObject:
 
 
 def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: bool, loading: bool) -> dict:
-    model_sd = _unwrap(model[0]).sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    metadata = ensure_metadata_has_dp_cp_group({"distrib_optim_sharding_type": "fully_reshardable",
+                                                "chained_optim_avoid_prefix": True})
+    model_sd = _unwrap(model[0]).sharded_state_dict(metadata=metadata)
     state = {"model": model_sd}
     if with_optimizer and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        # The distributed optimizer's state in its canonical per-parameter form: loadable under any TP/PP/EP/DP.
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
     if with_rng:
         state["rng_state"] = _rng_sharded_object(args)
     return state
@@ -119,7 +127,8 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=not args.no_save_optim, with_rng=True,
                                 loading=False)
     state.update(iteration=iteration, format_version=FORMAT_VERSION, args=_serializable_args(args),
-                 layout=_layout(args), opt_param_scheduler=scheduler.state_dict() if scheduler else None,
+                 layout=_layout(args), optimizer_parts=_optimizer_parts(optimizer),
+                 opt_param_scheduler=scheduler.state_dict() if scheduler else None,
                  **(extra or {}))
     dist_checkpointing.save(state, tmp)
     dist.barrier()
@@ -171,6 +180,20 @@ def verify_checkpoint(ckpt: str):
                                   "overwritten")
 
 
+def _allocate_optimizer_state(optimizer):
+    """Give a fresh distributed optimizer its state tensors before a load overwrites them.
+
+    Without apex/TE, Megatron-Core 0.16.1's DistributedOptimizer.state_dict() requires the torch optimizer's
+    state to exist (it reads the common 'step'), which a never-stepped optimizer does not have. Megatron-Core's
+    own dummy initialisation takes one zero-gradient step; the load that follows replaces weights and state.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=print) -> tuple[int, dict]:
     """Load the latest checkpoint under args.load into model (and optimizer, scheduler, RNG unless told not to).
 
@@ -193,11 +216,19 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     load_optim = not (args.finetune or args.no_load_optim) and optimizer is not None
     if load_optim and common["args"].get("no_save_optim"):
         raise CheckpointError(f"{ckpt} was saved without optimizer state; pass --no-load-optim or --finetune")
+    if load_optim and common.get("optimizer_parts") != _optimizer_parts(optimizer):
+        raise CheckpointError(
+            f"{ckpt} holds optimizer state for {common.get('optimizer_parts')} chained optimizer(s) (saved with "
+            f"--expert-model-parallel-size {common['layout']['expert_model_parallel_size']}), this run has "
+            f"{_optimizer_parts(optimizer)}: Megatron-Core cannot map optimizer state between EP = 1 and EP > 1. "
+            "Pass --no-load-optim to load the weights only, or keep EP on the same side of 1")
     same_layout = common.get("layout") == _layout(args)
     load_rng = not (args.finetune or args.no_load_rng) and same_layout
     if not same_layout:
         log(f"loading {ckpt} saved under {common.get('layout')} into {_layout(args)}: resharding, RNG state not "
             "restored")
+    if load_optim:
+        _allocate_optimizer_state(optimizer)
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
     try:
         loaded = dist_checkpointing.load(state, ckpt)

@@ -19,13 +19,13 @@ def initialize_distributed(args: argparse.Namespace):
     """Join the job's process group (torchrun's environment; a one-rank group without it) and build
     Megatron-Core's tensor/pipeline/expert/context/data groups."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if not platform.bridge_needed():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=platform.dist_backend(), timeout=timedelta(minutes=10))
+        if "RANK" in os.environ:  # torchrun / SLURM launcher
+            dist.init_process_group(backend=platform.dist_backend(), timeout=timedelta(minutes=10))
+        else:  # plain `python script.py`: a one-rank group, without leaking launcher variables to children
+            dist.init_process_group(backend=platform.dist_backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timedelta(minutes=10))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"flags were validated for world size {args.world_size} but the job has "
                            f"{dist.get_world_size()} ranks")

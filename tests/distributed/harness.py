@@ -62,3 +62,27 @@ def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1)
                            join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)
+
+
+def _entry_worker(rank: int, world: int, port: int, argv: list[str]):
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import contextlib
+    import io
+
+    import pretrain_composer as entry
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = entry.main(argv)
+    if code:
+        raise RuntimeError(f"rank {rank}: pretrain_composer.main exited with {code}: {err.getvalue()}")
+
+
+def run_entry(argv: list[str], world: int):
+    """pretrain_composer.main(argv) on `world` gloo ranks, as torchrun would run it."""
+    mp.start_processes(_entry_worker, args=(world, _free_port(), argv), nprocs=world, join=True,
+                       start_method="spawn")
