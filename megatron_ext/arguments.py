@@ -176,9 +176,10 @@ def build_parser(description: str = "", extra: Iterable[Callable[[argparse.Argum
     return parser
 
 
-def resolve_preset(args: argparse.Namespace) -> ModelPreset:
-    """The effective architecture: the preset with every explicitly given flag applied."""
-    preset = get_preset(args.model)
+def resolve_preset(args: argparse.Namespace, base: Optional[ModelPreset] = None) -> ModelPreset:
+    """The effective architecture: the preset (or `base`, e.g. read from a HF config) with every explicitly
+    given flag applied."""
+    preset = base or get_preset(args.model)
     changes = {}
     for flag, (field, _, _) in _ARCH_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -195,16 +196,17 @@ def resolve_preset(args: argparse.Namespace) -> ModelPreset:
 
 
 def parse_args(argv: Optional[list[str]] = None, description: str = "", extra=(),
-               world_size: Optional[int] = None) -> argparse.Namespace:
+               world_size: Optional[int] = None, base_arch: Optional[ModelPreset] = None) -> argparse.Namespace:
     """Parse, fill in the preset, derive sizes, validate. Raises ArgumentError on a bad combination."""
     parser = build_parser(description, extra)
     args = parser.parse_args(argv)
-    finalize_args(args, world_size)
+    finalize_args(args, world_size, base_arch)
     return args
 
 
-def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
-    arch = resolve_preset(args)
+def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
+                  base_arch: Optional[ModelPreset] = None) -> argparse.Namespace:
+    arch = resolve_preset(args, base_arch)
     args.arch = arch
     # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.
     for flag, (field, _, _) in _ARCH_FLAGS.items():

@@ -39,19 +39,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the directory or file and what is wrong."""
 
 
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+RELEASE = "release"  # a converted checkpoint: weights only, training starts at iteration 0
 
 
-def read_tracker(root: str) -> int | None:
+def checkpoint_dir(root: str, iteration: int | str) -> str:
+    return os.path.join(root, RELEASE if iteration == RELEASE else f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
+    if text == RELEASE:
+        return RELEASE
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text!r}") from None
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -133,17 +138,22 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
-        _write_manifest(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        publish(root, tmp, final, iteration)
     dist.barrier()
+
+
+def publish(root: str, tmp: str, final: str, tag: int | str):
+    """Make a completely written checkpoint visible: manifest, rename, then the tracker (each step atomic)."""
+    _write_manifest(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(tag))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
 def _write_manifest(ckpt: str):
@@ -213,7 +223,11 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         raise CheckpointError(f"cannot read the common state of {ckpt}: {e}") from e
     if common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt} has format version {common.get('format_version')}, expected {FORMAT_VERSION}")
-    load_optim = not (args.finetune or args.no_load_optim) and optimizer is not None
+    release = bool(common.get("release"))
+    if release:
+        log(f"{ckpt} is a converted checkpoint ({common.get('converted_from')}): loading weights only")
+    weights_only = args.finetune or release
+    load_optim = not (weights_only or args.no_load_optim) and optimizer is not None
     if load_optim and common["args"].get("no_save_optim"):
         raise CheckpointError(f"{ckpt} was saved without optimizer state; pass --no-load-optim or --finetune")
     if load_optim and common.get("optimizer_parts") != _optimizer_parts(optimizer):
@@ -223,8 +237,8 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
             f"{_optimizer_parts(optimizer)}: Megatron-Core cannot map optimizer state between EP = 1 and EP > 1. "
             "Pass --no-load-optim to load the weights only, or keep EP on the same side of 1")
     same_layout = common.get("layout") == _layout(args)
-    load_rng = not (args.finetune or args.no_load_rng) and same_layout
-    if not same_layout:
+    load_rng = not (weights_only or args.no_load_rng) and same_layout
+    if not same_layout and not release:
         log(f"loading {ckpt} saved under {common.get('layout')} into {_layout(args)}: resharding, RNG state not "
             "restored")
     if load_optim:
@@ -239,11 +253,11 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
-    if scheduler is not None and common.get("opt_param_scheduler") and not args.finetune:
+    if scheduler is not None and common.get("opt_param_scheduler") and not weights_only:
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_rng:
         rng = loaded["rng_state"]
         _set_rng_state(rng.data if isinstance(rng, ShardedObject) else rng)
-    start = 0 if args.finetune else iteration
-    log(f"loaded {ckpt} (iteration {iteration}{', weights only' if args.finetune else ''})")
+    start = 0 if weights_only else iteration
+    log(f"loaded {ckpt} (iteration {iteration}{', weights only' if weights_only else ''})")
     return start, common
