@@ -16,9 +16,13 @@ setup(
         "tensorboard",
         "psutil",
         "einops",
+        "safetensors",  # Hugging Face checkpoint conversion
+        "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "transformers", "safetensors"],
+        # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4
+        # unpacker to check our dequantisation against (it needs loguru, which it does not declare)
+        "dev": ["pytest", "transformers", "compressed-tensors", "loguru"],
         # Transformer Engine for FP8 and fused kernels on H100/H200; install apex from source if wanted
         # (https://github.com/NVIDIA/apex), it is not on PyPI.
         "gpu": ["transformer-engine[pytorch]"],

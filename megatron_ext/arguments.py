@@ -157,6 +157,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser):
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number-generator state")
     g.add_argument("--no-save-optim", action="store_true", help="save model weights only")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the architecture from the --load checkpoint (e.g. one made by "
+                        "tools/convert_checkpoint.py import); other architecture flags still override it")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser):
@@ -206,6 +209,13 @@ def parse_args(argv: Optional[list[str]] = None, description: str = "", extra=()
 
 def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
                   base_arch: Optional[ModelPreset] = None) -> argparse.Namespace:
+    if getattr(args, "use_checkpoint_args", False) and base_arch is None:
+        if not args.load:
+            _fail("--use-checkpoint-args needs --load DIR")
+        from megatron_ext.training.checkpointing import checkpoint_arch
+
+        base_arch = checkpoint_arch(args.load)
+    _apply_tokenizer(args, base_arch)  # data: the tokenizer fixes the vocabulary size
     arch = resolve_preset(args, base_arch)
     args.arch = arch
     # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.

@@ -113,11 +113,16 @@ class Piece:
         return self.shape[self.prepend:]
 
     def sharded_tensor(self, data: torch.Tensor) -> ShardedTensor:
-        """A ShardedTensor request for exactly this chunk (used to read it back from a checkpoint)."""
+        """A ShardedTensor request for exactly this chunk (used to read it back from a checkpoint).
+
+        The expert axis is kept as a real axis of size 1 (no prepended axes): Megatron-Core then reads any
+        subset of a tensor's chunks, where prepended axes would require all of them in one request.
+        """
+        assert tuple(data.shape) == self.shape
         frags = tuple(g // s for g, s in zip(self.global_shape, self.shape))
-        return ShardedTensor(key=self.key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+        return ShardedTensor(key=self.key, data=data, dtype=data.dtype, local_shape=self.shape,
                              global_shape=self.global_shape, global_offset=self.offset, axis_fragmentations=frags,
-                             replica_id=0, prepend_axis_num=self.prepend)
+                             replica_id=0, prepend_axis_num=0)
 
 
 def enumerate_pieces(model: torch.nn.Module, layout: HFLayout) -> tuple[list[Piece], list[ShardedObject]]:

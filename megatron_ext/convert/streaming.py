@@ -41,6 +41,15 @@ _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def peak_rss_mib() -> float:
+    """This process's peak resident memory. VmHWM belongs to the process image (ru_maxrss would include a
+    parent's peak: Linux carries it across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -157,7 +166,9 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1)
+        # One file per chunk: torch's writer keeps every tensor of a file alive until the file is complete, so a
+        # single file would hold the whole model in memory.
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
         dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
         common = {"iteration": 0, "format_version": checkpointing.FORMAT_VERSION, "release": True,
                   "args": {**checkpointing._serializable_args(args), "no_save_optim": True},
@@ -240,11 +251,11 @@ def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = Non
             request = {}
             for j, p in enumerate(group):
                 data = torch.empty(p.shape, dtype=p.dtype)
-                request[str(j)] = p.sharded_tensor(data.reshape(p.data_shape))
+                request[str(j)] = p.sharded_tensor(data)
             loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
             tensors = {}
             for j, p in enumerate(group):
-                t = loaded[str(j)]
+                t = loaded[str(j)].reshape(p.data_shape)
                 if p.key in _VOCAB_KEYS:
                     t = t[: arch.vocab_size]
                 tensors[p.hf_name] = (t.to(out_dtype) if out_dtype else t).contiguous()

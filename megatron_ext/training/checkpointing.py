@@ -168,6 +168,22 @@ def _write_manifest(ckpt: str):
         os.fsync(f.fileno())
 
 
+def checkpoint_arch(root: str):
+    """The architecture recorded in the latest checkpoint under `root` (for --use-checkpoint-args)."""
+    from megatron_ext.models.presets import ModelPreset
+
+    tag = read_tracker(root)
+    if tag is None:
+        raise CheckpointError(f"--use-checkpoint-args: no checkpoint under {root} ({TRACKER} missing)")
+    ckpt = checkpoint_dir(root, tag)
+    verify_checkpoint(ckpt)
+    try:
+        arch = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]["arch"]
+        return ModelPreset(**arch)
+    except Exception as e:
+        raise CheckpointError(f"cannot read the architecture recorded in {ckpt}: {e}") from e
+
+
 def verify_checkpoint(ckpt: str):
     """Raise CheckpointError naming the problem if `ckpt` is not a complete checkpoint."""
     if not os.path.isdir(ckpt):

@@ -32,12 +32,12 @@ def hf_config(shape: str, **overrides):
     return DeepseekV3Config(**kwargs)
 
 
-def make_hf_model(shape: str, seed: int = 0):
+def make_hf_model(shape: str, seed: int = 0, **overrides):
     """A random model whose router is decisive (no near-tied top-k choices to flip on rounding)."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_config(shape)).eval()
+    model = DeepseekV3ForCausalLM(hf_config(shape, **overrides)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
