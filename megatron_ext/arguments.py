@@ -215,7 +215,6 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
         from megatron_ext.training.checkpointing import checkpoint_arch
 
         base_arch = checkpoint_arch(args.load)
-    _apply_tokenizer(args, base_arch)  # data: the tokenizer fixes the vocabulary size
     arch = resolve_preset(args, base_arch)
     args.arch = arch
     # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.
