@@ -107,15 +107,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    outputs = _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=False)
     losses = step_losses(outputs, model[0].config, num_microbatches)
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
@@ -124,6 +116,19 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         _clip_grads(optimizer, grad_norm)
         finite = optimizer.step_with_ready_grads()
     return {"losses": losses, "grad_norm": grad_norm, "skipped": not finite}
+
+
+def _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches: int, forward_only: bool):
+    """Megatron-Core's schedule for this pipeline layout over the micro-batches of one global batch."""
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
 
 
 def _clip_grads(optimizer, grad_norm: float):
@@ -141,15 +146,7 @@ def eval_step(forward_step_func: Callable, data_iterator: Iterator, model: list[
     """Forward-only losses over one global batch; auxiliary-loss trackers are left as they were found empty."""
     for chunk in model:
         chunk.eval()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=True,
-    )
+    outputs = _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=True)
     for chunk in model:
         chunk.train()
     clear_aux_losses_tracker()
