@@ -1,0 +1,124 @@
+"""The latent-cache engine against the model's own (uncached) forward."""
+
+import pytest
+import torch
+
+from megatron_ext.arguments import parse_args
+from megatron_ext.inference.engine import InferenceEngine, LatentCache, SamplingParams
+from megatron_ext.testing import init_layout_invariant_
+from megatron_ext.training.initialize import destroy, initialize_distributed
+from megatron_ext.training.step import build_model
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-no-qlora"])
+def engine(request):
+    args = parse_args(["--model", request.param, "--mock-data"], world_size=1)
+    initialize_distributed(args)
+    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
+    model.eval()
+    yield InferenceEngine(model), model
+    destroy()
+
+
+def _full_logits(model, ids):
+    """Uncached logits through Megatron-Core's own TransformerBlock (GPTModel.forward needs labels once MTP
+    layers exist)."""
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        hidden = model.decoder(model.embedding(tokens, torch.arange(len(ids)).unsqueeze(0)), attention_mask=None)
+        return model.output_layer(hidden)[0][:, 0].float()
+
+
+def _trainer_logprobs(model, ids):
+    """-(per-token loss) of the training forward: log p(ids[t+1] | ids[:t+1])."""
+    tokens, labels = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    with torch.no_grad():
+        return (-model(tokens, torch.arange(len(ids) - 1).unsqueeze(0), None, labels=labels)[0]).tolist()
+
+
+def test_cached_decoding_equals_uncached_forward(engine):
+    eng, model = engine
+    ids = torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = LatentCache(len(eng.layers), 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim,
+                        torch.float32, "cpu")
+    prefix = 12
+    parts = [eng.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix).unsqueeze(0), cache,
+                         torch.tensor([0]))[0]]
+    for t in range(prefix, len(ids)):
+        parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
+    torch.testing.assert_close(torch.cat(parts), _full_logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_prompts_of_different_lengths_match_one_by_one(engine):
+    eng, _ = engine
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    together = eng.generate(prompts, params)
+    for prompt, got in zip(prompts, together):
+        alone = eng.generate([prompt], params)[0]
+        assert got.token_ids == alone.token_ids
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def test_logprobs_equal_teacher_forced_forward(engine):
+    eng, model = engine
+    prompt = torch.randint(0, 1024, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=5))[0]
+    assert len(out.token_ids) == 8
+    expected = _trainer_logprobs(model, prompt + out.token_ids)[len(prompt) - 1:]
+    assert out.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def test_sampling_is_seeded_and_stops(engine):
+    eng, _ = engine
+    prompt = [1, 2, 3]
+    a = eng.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=11))[0]
+    b = eng.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=11))[0]
+    assert a.token_ids == b.token_ids
+    stop = a.token_ids[3]
+    c = eng.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=11,
+                                              stop_token_ids=(stop,)))[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] == stop and len(c.token_ids) <= 4
+    assert a.finish_reason == "length"
+    greedy = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert greedy.token_ids == eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
+def test_stop_strings_need_text(engine):
+    eng, _ = engine
+    eng_text = InferenceEngine(eng.model, detokenize=lambda ids: " ".join(str(i) for i in ids))
+    first = eng_text.generate([[5, 6]], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    target = str(first.token_ids[1])
+    out = eng_text.generate([[5, 6]], SamplingParams(max_tokens=5, temperature=0.0, stop=(target,)))[0]
+    assert out.finish_reason == "stop" and target not in out.text
+
+
+def test_routing_choices_are_reported(engine):
+    eng, _ = engine
+    out = eng.generate([[4, 5, 6]], SamplingParams(max_tokens=3, temperature=0.0, return_routing=True))[0]
+    moe_layers = sum(1 for layer in eng.layers if hasattr(layer.mlp, "router"))
+    assert len(out.routing) == 2  # decode steps after the first token
+    for per_layer in out.routing:
+        assert len(per_layer) == moe_layers
+        assert all(len(experts) == eng.config.moe_router_topk for experts in per_layer)
+
+
+def test_bad_requests_are_refused(engine):
+    eng, _ = engine
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([[5000]], SamplingParams())
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        eng.generate([[1]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="exceeds"):
+        eng.generate([[1]], SamplingParams(max_tokens=100000))
+
+
+def test_latent_cache_is_much_smaller_than_full_kv(engine):
+    eng, _ = engine
+    cfg = eng.config
+    cache = LatentCache(len(eng.layers), 1, 100, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, torch.float32, "cpu")
+    full = len(eng.layers) * 100 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) * 4
+    assert cache.bytes() * 3 < full
