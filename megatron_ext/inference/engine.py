@@ -142,6 +142,11 @@ class InferenceEngine:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
                 routing: Optional[list] = None) -> torch.Tensor:
         """Logits [b, s, vocab] for `tokens` [b, s] placed after each sample's `lengths` cached tokens."""
+        return self.forward_with_hidden(tokens, positions, cache, lengths, routing)[0]
+
+    @torch.no_grad()
+    def forward_with_hidden(self, tokens, positions, cache: LatentCache, lengths, routing=None):
+        """(logits [b, s, vocab], final-normed hidden states [s, b, h]): the hidden states feed the MTP layers."""
         model = self.model
         x = model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
         hooks = []
@@ -161,9 +166,28 @@ class InferenceEngine:
             for hook in hooks:
                 hook.remove()
         x = model.decoder.final_layernorm(x)
+        return self._logits(x), x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model
         logits, _ = model.output_layer(x, weight=model.shared_embedding_or_output_weight()
                                        if model.share_embeddings_and_output_weights else None)
         return logits.transpose(0, 1).float()
+
+    @torch.no_grad()
+    def mtp_forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: LatentCache, lengths: torch.Tensor) -> torch.Tensor:
+        """MTP layer 1 as Megatron-Core computes it: at position t it combines the main model's hidden state
+        h_t with the embedding of token t+1 and predicts token t+2. Its attention has a latent cache of its own.
+        Returns logits [b, s, vocab]."""
+        model = self.model
+        mtp = model.mtp.layers[0]
+        e = model.embedding(input_ids=next_tokens, position_ids=positions)
+        x, _ = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), -1))
+        layer = mtp.transformer_layer
+        x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, 0, lengths)
+        out, _ = layer.mlp(layer.pre_mlp_layernorm(x))
+        return self._logits(mtp.final_layernorm(x + out))
 
     # ---------------------------------------------------------------------------------------------------
     # generation
