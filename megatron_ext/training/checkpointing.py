@@ -277,3 +277,12 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     start = 0 if weights_only else iteration
     log(f"loaded {ckpt} (iteration {iteration}{', weights only' if weights_only else ''})")
     return start, common
+
+
+def load_weights(args: argparse.Namespace, model, path: str, log=print):
+    """Weights only from the latest checkpoint under `path` (serving, weight publication); unlike --load, a
+    missing checkpoint is an error rather than a fresh start."""
+    if read_tracker(path) is None:
+        raise CheckpointError(f"no checkpoint under {path} ({TRACKER} missing)")
+    weights_args = argparse.Namespace(**{**vars(args), "load": path, "finetune": True})
+    load_checkpoint(weights_args, model, None, None, log=log)

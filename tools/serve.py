@@ -1,0 +1,81 @@
+"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
+
+    python tools/serve.py --load CKPT --use-checkpoint-args --port 8000
+    python tools/serve.py --hf-dir /data/Kimi-K2.5 --port 8000        # imported on the fly into --save or a temp dir
+    curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import megatron_ext  # noqa: E402,F401
+from megatron_ext.arguments import ArgumentError, parse_args  # noqa: E402
+
+
+def _serve_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--hf-dir", default=None, help="serve a Hugging Face checkpoint (imported first)")
+    g.add_argument("--served-model-name", default=None, help="the name /v1/models reports")
+
+
+def build_service(args):
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.inference.server import ModelService
+    from megatron_ext.training.checkpointing import load_checkpoint, load_weights
+    from megatron_ext.training.initialize import initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    initialize_distributed(args)
+    model = build_model(args, wrap_ddp=False)
+    if args.load:
+        load_checkpoint(args, model, None, None)
+
+    def reload(path: str):
+        load_weights(args, model, path)
+
+    return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, reload=reload)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--hf-dir")
+    pre.add_argument("--save")
+    known, _ = pre.parse_known_args(argv)
+    if known.hf_dir:
+        from megatron_ext.convert.streaming import import_hf
+        from megatron_ext.training.initialize import destroy
+
+        target = known.save or tempfile.mkdtemp(prefix="serve_import_")
+        import_hf(known.hf_dir, target)
+        destroy()
+        argv += ["--load", target, "--use-checkpoint-args"]
+    try:
+        args = parse_args(argv + ["--mock-data"], description=__doc__, extra=(_serve_args,), world_size=1)
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.finetune = True  # serving needs weights only
+    from megatron_ext.inference.server import serve
+
+    server = serve(build_service(args), args.host, args.port)
+    print(f"serving {args.model} on http://{args.host}:{server.server_address[1]}", flush=True)
+    import signal
+
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # delivered to sigwait below, not to a default handler
+    try:
+        signal.sigwait(signals)
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
