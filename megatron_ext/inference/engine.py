@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron_ext import platform
+
 
 @dataclass
 class SamplingParams:
@@ -71,6 +73,19 @@ class LatentCache:
         return sum(t.numel() * t.element_size() for t in self.latent + self.rope_key)
 
 
+def _linear(module, x: torch.Tensor) -> torch.Tensor:
+    """A (one-rank) Megatron linear layer as a plain matmul: the same weights without the autograd and
+    communication wrappers, which dominate a decode step's cost at small sizes."""
+    y = F.linear(x, module.weight)
+    bias = getattr(module, "bias", None)
+    return y if bias is None or getattr(module, "skip_bias_add", False) else y + bias
+
+
+def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    gate, up = _linear(mlp.linear_fc1, x).chunk(2, dim=-1)
+    return _linear(mlp.linear_fc2, F.silu(gate) * up)
+
+
 class InferenceEngine:
     """Generation with a latent KV cache for a single-stage GPTModel (one rank holding the whole model)."""
 
@@ -87,6 +102,8 @@ class InferenceEngine:
         for layer in self.layers:
             if not isinstance(layer.self_attention, MLASelfAttention):
                 raise ValueError("the inference engine supports MLA layers")
+        if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):
+            raise ValueError("the inference engine supports SwiGLU MLPs (gated_linear_unit with silu)")
         self._rope = {}
 
     # ---------------------------------------------------------------------------------------------------
@@ -106,13 +123,12 @@ class InferenceEngine:
         s, b, _ = h.shape
         n, dn, dr, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         if cfg.q_lora_rank is not None:
-            q, _ = attn.linear_q_down_proj(h)
-            q, _ = attn.linear_q_up_proj(attn.q_layernorm(q))
+            q = _linear(attn.linear_q_up_proj, attn.q_layernorm(_linear(attn.linear_q_down_proj, h)))
         else:
-            q, _ = attn.linear_q_proj(h)
+            q = _linear(attn.linear_q_proj, h)
         q = q.view(s, b, n, dn + dr)
         q_nope, q_pe = torch.split(q, [dn, dr], dim=-1)
-        kv, _ = attn.linear_kv_down_proj(h)
+        kv = _linear(attn.linear_kv_down_proj, h)
         latent, k_pe = torch.split(kv, [cfg.kv_lora_rank, dr], dim=-1)
         latent = attn.kv_layernorm(latent)
         table, mscale = self._rope_table(attn, cache.max_len)
@@ -124,7 +140,7 @@ class InferenceEngine:
         cache.latent[layer][rows, slots] = latent.transpose(0, 1)
         cache.rope_key[layer][rows, slots] = k_pe.transpose(0, 1)
         total = int((lengths + s).max())
-        kv_up, _ = attn.linear_kv_up_proj(cache.latent[layer][:, :total].transpose(0, 1))  # [t, b, n*(dn+dv)]
+        kv_up = _linear(attn.linear_kv_up_proj, cache.latent[layer][:, :total].transpose(0, 1))  # [t, b, n*(dn+dv)]
         kv_up = kv_up.view(total, b, n, dn + dv)
         k_nope, v = torch.split(kv_up, [dn, dv], dim=-1)
         k_rope = cache.rope_key[layer][:, :total].transpose(0, 1).unsqueeze(2).expand(-1, -1, n, -1)
@@ -134,9 +150,28 @@ class InferenceEngine:
         mask = key_pos <= positions.unsqueeze(-1)  # [b, s, t]: causal at each sample's own positions
         out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
                                              attn_mask=mask.unsqueeze(1), scale=attn.softmax_scale)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, n * dv)
-        out, _ = attn.linear_proj(out)
-        return out
+        return _linear(attn.linear_proj, out.permute(2, 0, 1, 3).reshape(s, b, n * dv))
+
+    @staticmethod
+    def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
+        """Dense MLP as is; MoE computed directly on the tokens each expert received (no dispatcher, no
+        idle experts), with Megatron-Core's router and expert modules: y = sum_e p_e * expert_e(x) + shared(x)."""
+        router = getattr(mlp, "router", None)
+        if router is None:
+            return _gated_mlp(mlp, h)
+        flat = h.reshape(-1, h.size(-1))
+        probs, routing_map = router(h)
+        out = torch.zeros_like(flat)
+        for e in routing_map.any(0).nonzero().flatten().tolist():
+            rows = routing_map[:, e].nonzero().flatten()
+            y = _gated_mlp(mlp.experts.local_experts[e], flat[rows])
+            out.index_add_(0, rows, y * probs[rows, e].unsqueeze(-1).to(y.dtype))
+        if mlp.shared_experts is not None:
+            if getattr(mlp.shared_experts, "use_shared_expert_gate", False):
+                out = out + mlp.shared_experts(flat)
+            else:
+                out = out + _gated_mlp(mlp.shared_experts, flat)
+        return out.view_as(h)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
@@ -157,11 +192,11 @@ class InferenceEngine:
                     hooks.append(router.register_forward_hook(
                         lambda mod, inp, out: routing.append(out[1].nonzero())))
         try:
-            for i, layer in enumerate(self.layers):
-                x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, i,
-                                        lengths)
-                out, _ = layer.mlp(layer.pre_mlp_layernorm(x))
-                x = x + out
+            with platform.without_device_mapping():
+                for i, layer in enumerate(self.layers):
+                    x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, i,
+                                            lengths)
+                    x = x + self._mlp(layer.mlp, layer.pre_mlp_layernorm(x))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -183,11 +218,12 @@ class InferenceEngine:
         model = self.model
         mtp = model.mtp.layers[0]
         e = model.embedding(input_ids=next_tokens, position_ids=positions)
-        x, _ = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), -1))
+        x = _linear(mtp.eh_proj, torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), -1))
         layer = mtp.transformer_layer
-        x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, 0, lengths)
-        out, _ = layer.mlp(layer.pre_mlp_layernorm(x))
-        return self._logits(mtp.final_layernorm(x + out))
+        with platform.without_device_mapping():
+            x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, 0, lengths)
+            x = x + self._mlp(layer.mlp, layer.pre_mlp_layernorm(x))
+        return self._logits(mtp.final_layernorm(x))
 
     # ---------------------------------------------------------------------------------------------------
     # generation
