@@ -7,7 +7,7 @@
     has been trained (pretrain_composer.py on the mock arithmetic-progression data, MTP loss on) — a stand-in until
     the stdlib-corpus self-distilled model exists (goals >= 1.8x and >= 0.85).
 
-    python benchmarks/decode_throughput.py [--tokens 64] [--repeats 3] [--train-iters 300]
+    python benchmarks/decode_throughput.py [--tokens 64] [--repeats 3] [--train-iters 1000] [--hidden 512]
 """
 
 from __future__ import annotations
@@ -47,14 +47,16 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def versus_transformers(tokens: int, repeats: int, workdir: str):
+def versus_transformers(tokens: int, repeats: int, workdir: str, hidden: int, layers: int, experts: int):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1,
-                           n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1, kv_lora_rank=64,
-                           q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    heads = hidden // 32
+    cfg = DeepseekV3Config(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden,
+                           moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=experts,
+                           num_experts_per_tok=4, n_group=1, topk_group=1, kv_lora_rank=hidden // 4,
+                           q_lora_rank=hidden // 2, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                            first_k_dense_replace=1, max_position_embeddings=1024, num_mtp_layers=0)
     hf = DeepseekV3ForCausalLM(cfg).eval()
     hf_dir, save = os.path.join(workdir, "hf"), os.path.join(workdir, "mg")
@@ -66,7 +68,7 @@ def versus_transformers(tokens: int, repeats: int, workdir: str):
     model = build_model(args, wrap_ddp=False)
     load_weights(args, model, save, log=lambda *a, **k: None)
     engine = InferenceEngine(model[0])
-    prompt = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, 8192, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
     ours = timed(lambda: engine.generate([prompt], params), repeats)
     ids = torch.tensor([prompt])
@@ -103,13 +105,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--train-iters", type=int, default=300)
+    p.add_argument("--train-iters", type=int, default=1000)
+    p.add_argument("--hidden", type=int, default=512, help="(a): model width")
+    p.add_argument("--layers", type=int, default=6, help="(a): decoder layers")
+    p.add_argument("--experts", type=int, default=32, help="(a): routed experts")
     opts = p.parse_args()
     torch.set_num_threads(2)
     workdir = tempfile.mkdtemp(prefix="decode_bench_")
     try:
-        ours, theirs, same = versus_transformers(opts.tokens, opts.repeats, workdir)
-        print(f"(a) greedy decode, batch 1, prompt 32, {opts.tokens} new tokens: ours {ours:.1f} tok/s, "
+        ours, theirs, same = versus_transformers(opts.tokens, opts.repeats, workdir, opts.hidden, opts.layers,
+                                                 opts.experts)
+        print(f"(a) greedy decode, hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4, batch 1, "
+              f"prompt 32, {opts.tokens} new tokens: ours {ours:.1f} tok/s, "
               f"transformers generate {theirs:.1f} tok/s -> {ours / theirs:.2f}x (goal >= 2); same tokens: {same}")
         speedup, stats, lossless = speculative(opts.tokens, opts.repeats, opts.train_iters, workdir)
         print(f"(b) MTP speculative vs plain, greedy: {speedup:.2f}x (goal >= 1.8), acceptance "
