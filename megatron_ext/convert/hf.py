@@ -201,6 +201,18 @@ class ShardedCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.files
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of weight `name` as stored or, when INT4-packed, as unpacked (read from the header only)."""
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        if self.has(base + ".weight_packed"):
+            return tuple(int(x) for x in self.get(base + ".weight_shape").tolist())
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def file_of(self, name: str) -> str | None:
+        """The shard holding weight `name`, in plain or INT4-packed form (None: absent)."""
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        return self.files.get(name) or self.files.get(base + ".weight_packed")
+
     def close(self):
         self._open, self._open_name = None, None
 

@@ -61,14 +61,6 @@ def _meta_model(arch: ModelPreset, extra_flags=()):
     return args, model
 
 
-def _hf_shape(ckpt: ShardedCheckpoint, name: str) -> tuple[int, ...]:
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    if ckpt.has(base + ".weight_packed"):
-        return tuple(int(x) for x in ckpt.get(base + ".weight_shape").tolist())
-    filename = ckpt.files[name]
-    return tuple(ckpt._handle(filename).get_slice(name).get_shape())
-
-
 class _LazyPlanner(SavePlanner):
     """Plans the given write items and produces each item's data only when the writer reaches it."""
 
@@ -121,14 +113,14 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
                               f"{model_type} model with this config.json")
     target_dtype = _target_dtype(dtype, ckpt, pieces)
     for p in pieces:
-        if not (ckpt.has(p.hf_name) or ckpt.has(p.hf_name[: -len(".weight")] + ".weight_packed")):
+        if ckpt.file_of(p.hf_name) is None:
             raise ConversionError(f"tensor {p.hf_name} is missing from {hf_dir} (needed for Megatron {p.key})")
         want = _hf_expected_shape(p, arch)
-        got = _hf_shape(ckpt, p.hf_name)
+        got = ckpt.shape(p.hf_name)
         if got != want:
-            raise ConversionError(f"tensor {p.hf_name} in {os.path.join(hf_dir, ckpt.files.get(p.hf_name, '?'))} "
+            raise ConversionError(f"tensor {p.hf_name} in {os.path.join(hf_dir, ckpt.file_of(p.hf_name))} "
                                   f"has shape {got}, expected {want} from config.json")
-    pieces.sort(key=lambda p: (ckpt.files.get(p.hf_name) or ckpt.files[p.hf_name[:-7] + ".weight_packed"], p.key))
+    pieces.sort(key=lambda p: (ckpt.file_of(p.hf_name), p.key))  # one shard open at a time while writing
     ckpt.close()
 
     items, sources = [], {}
@@ -153,7 +145,7 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
         if item.type == WriteItemType.BYTE_IO:
             return blobs[item.index.fqn]
         p, piece_dtype = sources[(item.index.fqn, tuple(item.index.offset))]
-        filename = ckpt.files.get(p.hf_name) or ckpt.files[p.hf_name[:-7] + ".weight_packed"]
+        filename = ckpt.file_of(p.hf_name)
         if filename not in seen_files:
             seen_files.add(filename)
             shards.update(1)
@@ -194,7 +186,8 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
 def _target_dtype(dtype: str | None, ckpt: ShardedCheckpoint, pieces: list[Piece]) -> torch.dtype:
     if dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    stored = ckpt.get(pieces[0].hf_name).dtype  # the embedding: never quantised
+    embedding = next(p for p in pieces if p.key == "embedding.word_embeddings.weight")
+    stored = ckpt.get(embedding.hf_name).dtype  # never quantised in any release format
     return stored if stored in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
