@@ -1,6 +1,8 @@
 """Continued pretraining of Kimi K2.5 (and its tiny CPU variants) on Megatron-Core.
 
     torchrun --nproc-per-node 2 pretrain_composer.py --model tiny --mock-data --tensor-model-parallel-size 2
+    python pretrain_composer.py --model tiny --data-path data/stdlib_text_document --split 98,1,1 \
+        --tokenizer-type HFTokenizer --tokenizer-model data/tokenizer
     python pretrain_composer.py --model kimi-k2.5 --dry-run
 """
 
@@ -12,10 +14,12 @@ from functools import partial
 import torch
 
 import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Core is used)
-from megatron.core import parallel_state
 
-from megatron_ext.arguments import ArgumentError, parse_args
-from megatron_ext.data.mock import mock_microbatches
+from megatron_ext.arguments import ArgumentError, parse_args, require_dataset
+from megatron_ext.data.indexed import DataError
+from megatron_ext.data.provider import DataSources, build_data, mock_sources
+from megatron_ext.data.sft import packed_batch
+from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -32,24 +36,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch, packed_seq_params = packed_batch(next(data_iterator))  # packed SFT rows: one THD sequence
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def train_data_iterator(args, iteration: int):
-    """Mock micro-batches of `iteration` for this rank's data-parallel slot (real datasets: the data pipeline)."""
-    return mock_microbatches(iteration, args.global_batch_size, args.micro_batch_size,
-                             parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                             args.seq_length, args.vocab_size, args.seed)
+def train_data_iterator(args, iteration: int, data: DataSources | None = None):
+    """The micro-batches of `iteration` for this rank's data-parallel slot (mock data unless `data` is given)."""
+    return (data or mock_sources(args)).microbatches("train", iteration, args)
 
 
-def valid_data_iterator(args, k: int):
-    """The k-th validation batch: mock samples from a stream disjoint from training's."""
-    return mock_microbatches(k, args.global_batch_size, args.micro_batch_size,
-                             parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                             args.seq_length, args.vocab_size, args.seed + 1_000_000)
+def valid_data_iterator(args, k: int, data: DataSources | None = None):
+    """The k-th validation batch: the validation split, or mock samples from a stream disjoint from training's."""
+    return (data or mock_sources(args)).microbatches("validation", k, args)
 
 
 def main(argv=None):
@@ -61,16 +61,23 @@ def main(argv=None):
     if args.dry_run:
         print_parameter_counts(args)
         return 0
-    if not args.mock_data:
-        print("error: no dataset given; pass --mock-data (real datasets arrive with the data pipeline)",
-              file=sys.stderr)
+    try:
+        require_dataset(args)
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     initialize_distributed(args)
     log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
     print_parameter_counts(args, log)
     try:
-        pretrain(args, forward_step, partial(train_data_iterator, args), partial(valid_data_iterator, args),
-                 log=log)
+        data = build_data(args, log)  # checks every file before the model is built
+    except (DataError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        destroy()
+        return 1
+    valid = partial(valid_data_iterator, args, data=data) if data.has("validation") else None
+    try:
+        pretrain(args, forward_step, partial(train_data_iterator, args, data=data), valid, log=log)
     except (TrainingAborted, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         destroy()

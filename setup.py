@@ -18,6 +18,8 @@ setup(
         "einops",
         "safetensors",  # Hugging Face checkpoint conversion
         "tqdm",
+        "tokenizers>=0.15",  # data: Hugging Face tokenizer.json loading and BPE training
+        "tiktoken>=0.5",  # data: Kimi's tiktoken.model tokenizers
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4

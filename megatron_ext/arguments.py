@@ -174,7 +174,7 @@ def build_parser(description: str = "", extra: Iterable[Callable[[argparse.Argum
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
-                _add_checkpoint_args, _add_logging_args, *extra):
+                _add_checkpoint_args, _add_logging_args, _add_data_args, *extra):
         add(parser)
     return parser
 
@@ -215,6 +215,7 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
         from megatron_ext.training.checkpointing import checkpoint_arch
 
         base_arch = checkpoint_arch(args.load)
+    _apply_tokenizer(args, base_arch)  # data: the tokenizer fixes the vocabulary size
     arch = resolve_preset(args, base_arch)
     args.arch = arch
     # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.
@@ -234,6 +235,7 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     _validate_batch(args)
     _validate_training(args)
+    _validate_data(args)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     return args
@@ -349,3 +351,82 @@ def _validate_batch(args: argparse.Namespace):
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     if args.pipeline_model_parallel_size > 1 and args.global_batch_size // per_step < 1:
         _fail("pipeline parallelism needs at least one micro-batch per step")
+
+
+# --------------------------------------------------------------------------------------------------------
+# data: datasets and tokenizers (megatron_ext/data/)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _add_data_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("data", "real datasets: tools/build_corpus.py -> tools/train_tokenizer.py -> "
+                                          "tools/preprocess_data.py -> --data-path (or --mock-data)")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: '0.7 a 0.3 b'; "
+                        "with --sft one chat JSONL file")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,validation,test shares of each dataset's documents, e.g. 98,1,1")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset index caches go (None: next to each dataset)")
+    g.add_argument("--tokenizer-type", default=None, choices=["HFTokenizer", "TikTokenizer", "HuggingFaceTokenizer"],
+                   help="tokenizer file format (None: inferred from --tokenizer-model's files)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="tokenizer.json / tiktoken.model or its directory; sets --vocab-size")
+    g.add_argument("--sft", action="store_true",
+                   help="--data-path is chat JSONL: Kimi-style template, loss on assistant tokens only, "
+                        "conversations packed into --seq-length rows without attending across them")
+    g.add_argument("--data-on-error", default="fail", choices=["fail", "skip"],
+                   help="--sft: stop at a malformed conversation (naming its line) or skip and report it")
+
+
+def _apply_tokenizer(args: argparse.Namespace, base_arch: Optional[ModelPreset] = None):
+    """--tokenizer-model fixes the vocabulary: --vocab-size defaults to the tokenizer's and may not be smaller."""
+    if args.tokenizer_model is None:
+        if args.tokenizer_type is not None:
+            _fail("--tokenizer-type needs --tokenizer-model PATH (the tokenizer file or its directory)")
+        return
+    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, normalize_tokenizer_type
+
+    try:
+        args.tokenizer_type = normalize_tokenizer_type(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except TokenizerError as e:
+        _fail(f"--tokenizer-model {args.tokenizer_model}: {e}")
+    model_vocab = args.vocab_size if args.vocab_size is not None else getattr(base_arch, "vocab_size", None)
+    if model_vocab is None:
+        args.vocab_size = tokenizer.vocab_size
+    elif model_vocab < tokenizer.vocab_size:
+        _fail(f"--vocab-size {model_vocab} is smaller than the {tokenizer.vocab_size} ids of --tokenizer-model "
+              f"{args.tokenizer_model}; drop --vocab-size to take the tokenizer's, or raise it")
+
+
+def _validate_data(args: argparse.Namespace):
+    from megatron_ext.data.gpt import parse_data_path, parse_split
+
+    if args.mock_data and args.data_path:
+        _fail("--mock-data and --data-path exclude each other; drop one of them")
+    try:
+        shares = parse_split(args.split)
+        prefixes, weights = parse_data_path(args.data_path) if args.data_path else ([], None)
+    except ValueError as e:
+        _fail(str(e))
+    if args.data_path and not args.tokenizer_model:
+        _fail("--data-path needs --tokenizer-model (the tokenizer the data was preprocessed with)")
+    if args.sft:
+        if len(prefixes) != 1 or weights:
+            _fail("--sft takes exactly one chat JSONL file as --data-path")
+        if args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1:
+            _fail("--sft packs a micro-batch into one sequence; with --pipeline-model-parallel-size > 1 use "
+                  "--micro-batch-size 1")
+    if args.data_path:
+        if shares[0] == 0 and args.train_iters > 0:
+            _fail(f"--split {args.split} gives training no share; e.g. --split 98,1,1")
+        if args.eval_interval and shares[1] == 0:
+            _fail(f"--eval-interval needs a validation share in --split (got {args.split}); e.g. --split 98,1,1")
+
+
+def require_dataset(args: argparse.Namespace):
+    """Training needs data; dry runs and model tests do not, so this is the entry script's check."""
+    if not (args.mock_data or args.data_path):
+        _fail("no dataset given: pass --data-path PREFIX (from tools/preprocess_data.py) with --tokenizer-model, "
+              "or --mock-data")

@@ -1,6 +1,6 @@
 """Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
 
-    python tools/serve.py --load CKPT --use-checkpoint-args --port 8000
+    python tools/serve.py --load CKPT --use-checkpoint-args --port 8000 [--tokenizer-model DIR]
     python tools/serve.py --hf-dir /data/Kimi-K2.5 --port 8000        # imported on the fly into --save or a temp dir
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
 """
@@ -39,7 +39,13 @@ def build_service(args):
     def reload(path: str):
         load_weights(args, model, path)
 
-    return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, reload=reload)
+    tokenizer = None
+    if args.tokenizer_model:
+        from megatron_ext.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
+                        reload=reload)
 
 
 def main(argv=None) -> int:

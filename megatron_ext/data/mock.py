@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.data.batches import microbatches
+
 
 def mock_sample(index: int, seq_length: int, vocab_size: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -30,10 +32,7 @@ def mock_batch(indices, seq_length: int, vocab_size: int, seed: int) -> dict[str
 
 def mock_microbatches(iteration: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                       dp_size: int, seq_length: int, vocab_size: int, seed: int):
-    """The micro-batches this data-parallel rank processes in `iteration`, in Megatron's sample order: the
-    global batch is consumed in rounds of micro_batch_size x dp_size, rank r taking slot r of each round."""
-    per_round = micro_batch_size * dp_size
-    first = iteration * global_batch_size
-    for round_start in range(first, first + global_batch_size, per_round):
-        lo = round_start + dp_rank * micro_batch_size
-        yield mock_batch(range(lo, lo + micro_batch_size), seq_length, vocab_size, seed)
+    """The micro-batches this data-parallel rank processes in `iteration`, in Megatron's sample order
+    (data/batches.py)."""
+    return microbatches(lambda indices: mock_batch(indices, seq_length, vocab_size, seed), iteration,
+                        global_batch_size, micro_batch_size, dp_rank, dp_size)

@@ -52,6 +52,8 @@ class ModelService:
     def __init__(self, engine: InferenceEngine, name: str, tokenizer=None,
                  reload: Optional[Callable[[str], None]] = None):
         self.engine, self.name, self.tokenizer, self._reload = engine, name, tokenizer, reload
+        if tokenizer is not None and engine.detokenize is None:
+            engine.detokenize = tokenizer.decode  # stop strings and response text
         self.lock = threading.Lock()
         self.version = 0
         self.stats = SpeculationStats()
@@ -128,8 +130,9 @@ class ModelService:
             raise RequestError("chat completions need a server started with a tokenizer that has a chat template",
                                status=501)
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages, tools=body.get("tools"))
-        except (KeyError, TypeError, ValueError) as e:
+            prompt_ids = self.tokenizer.apply_chat_template(messages, tools=body.get("tools"),
+                                                            add_generation_prompt=True)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RequestError(f"cannot render 'messages': {e}") from None
         completion = self._run(prompt_ids, self._sampling(body), bool(body.get("speculative")))
         choice = self._choice(completion, bool(body.get("logprobs")))

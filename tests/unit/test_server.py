@@ -123,3 +123,31 @@ def test_serve_script_starts_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_text_and_chat_with_a_tokenizer(tmp_path):
+    from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    tok_dir = trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024)
+    tokenizer = build_tokenizer(None, tok_dir)
+    args = parse_args(["--model", "tiny", "--mock-data", "--vocab-size", str(tokenizer.vocab_size)], world_size=1)
+    initialize_distributed(args)
+    try:
+        model = build_model(args, wrap_ddp=False)
+        httpd = serve(ModelService(InferenceEngine(model[0]), "tiny", tokenizer=tokenizer), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        status, body = _call(url, "/v1/completions", {"prompt": "def main():", "max_tokens": 6, "temperature": 0})
+        assert status == 200
+        choice = body["choices"][0]
+        assert choice["text"] == tokenizer.decode(choice["token_ids"])
+        status, body = _call(url, "/v1/chat/completions", {
+            "messages": [{"role": "system", "content": "You write Python."},
+                         {"role": "user", "content": "Print hello."}], "max_tokens": 4, "temperature": 0})
+        assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+        assert body["usage"]["prompt_tokens"] > 5
+        status, body = _call(url, "/v1/chat/completions", {"messages": [{"role": 3}], "max_tokens": 2})
+        assert status == 400 and "cannot render" in body["error"]["message"]
+        httpd.shutdown()
+    finally:
+        destroy()
