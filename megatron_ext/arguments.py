@@ -84,6 +84,13 @@ def _add_model_args(parser: argparse.ArgumentParser):
                    help="module backend (default: transformer_engine where importable with CUDA, else local)")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="weight of the summed MTP losses relative to the main LM loss")
+    g.add_argument("--mtp-loss", default="self-distill", choices=["self-distill", "ce"],
+                   help="MTP objective: KL to the main head's distribution at the target position (the Composer 2 "
+                        "recipe) or Megatron-Core's hard-label cross-entropy")
+    g.add_argument("--mtp-distill-temperature", type=float, default=1.0,
+                   help="temperature of both distributions in the MTP self-distillation KL")
+    g.add_argument("--mtp-detach-trunk", action="store_true",
+                   help="keep MTP gradients inside the MTP layers (trunk, embedding and head untouched; used in RL)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser):

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+
+from megatron_ext.models.gpt import ComposerGPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ext import platform
@@ -94,7 +96,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
                    vp_stage=None, config: MLATransformerConfig | None = None) -> GPTModel:
     """The model piece this rank holds: its pipeline stage, its tensor and expert shards."""
     config = config or transformer_config(args)
-    model = GPTModel(
+    model = ComposerGPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
@@ -106,6 +108,9 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
         position_embedding_type="rope",  # MLA builds its own (YaRN) rotary embedding
         mtp_block_spec=mtp_block_spec(config, args.transformer_impl, vp_stage=vp_stage),
         vp_stage=vp_stage,
+        mtp_loss=getattr(args, "mtp_loss", "ce"),
+        mtp_distill_temperature=getattr(args, "mtp_distill_temperature", 1.0),
+        mtp_detach_trunk=getattr(args, "mtp_detach_trunk", False),
     )
     init_replicated_linears_(model, config)
     return model

@@ -23,6 +23,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, tr
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megatron_ext.models.provider import model_provider, transformer_config
+from megatron_ext.mtp import distill
 
 
 def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
@@ -191,6 +192,7 @@ def step_losses(outputs: list[dict], config, num_microbatches: int) -> dict[str,
         if config.mtp_num_layers:
             MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=0, writer=None,
                                                    total_loss_dict=totals)
+            totals.update(distill.pop_metrics(num_microbatches))
         losses = [{k: float(v) for k, v in totals.items()}]
     _broadcast_from_last_stage(losses)
     return losses[0]
