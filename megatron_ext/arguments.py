@@ -164,6 +164,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser):
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number-generator state")
     g.add_argument("--no-save-optim", action="store_true", help="save model weights only")
+    g.add_argument("--mtp-attach", action="store_true",
+                   help="load a checkpoint without MTP layers and add --mtp-num-layers fresh ones (weights only)")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the architecture from the --load checkpoint (e.g. one made by "
                         "tools/convert_checkpoint.py import); other architecture flags still override it")

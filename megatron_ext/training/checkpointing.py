@@ -206,6 +206,24 @@ def verify_checkpoint(ckpt: str):
                                   "overwritten")
 
 
+def _mtp_attach(args, common: dict, ckpt: str, log) -> bool:
+    """Whether to add fresh MTP layers to a checkpoint without them (--mtp-attach), checked both ways."""
+    saved = (common.get("args", {}).get("arch") or {}).get("mtp_num_layers", 0) or 0
+    wanted = args.arch.mtp_num_layers if hasattr(args, "arch") else 0
+    if getattr(args, "mtp_attach", False):
+        if saved:
+            raise CheckpointError(f"--mtp-attach: {ckpt} already has {saved} MTP layer(s); drop --mtp-attach")
+        if not wanted:
+            raise CheckpointError("--mtp-attach needs --mtp-num-layers >= 1")
+        log(f"attaching {wanted} freshly initialised MTP layer(s) to {ckpt}; optimizer state starts fresh")
+        return True
+    if wanted and not saved:
+        raise CheckpointError(f"{ckpt} has no MTP layers but this run has --mtp-num-layers {wanted}: pass "
+                              "--mtp-attach to add fresh ones (the recipe attaches them mid-training) or "
+                              "--mtp-num-layers 0")
+    return False
+
+
 def _allocate_optimizer_state(optimizer):
     """Give a fresh distributed optimizer its state tensors before a load overwrites them.
 
@@ -242,8 +260,10 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     release = bool(common.get("release"))
     if release:
         log(f"{ckpt} is a converted checkpoint ({common.get('converted_from')}): loading weights only")
+    attach = _mtp_attach(args, common, ckpt, log)
     weights_only = args.finetune or release
-    load_optim = not (weights_only or args.no_load_optim) and optimizer is not None
+    # fresh MTP layers have no optimizer state; the trunk's would not line up with the new parameter set
+    load_optim = not (weights_only or args.no_load_optim or attach) and optimizer is not None
     if load_optim and common["args"].get("no_save_optim"):
         raise CheckpointError(f"{ckpt} was saved without optimizer state; pass --no-load-optim or --finetune")
     if load_optim and common.get("optimizer_parts") != _optimizer_parts(optimizer):
@@ -260,11 +280,16 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     if load_optim:
         _allocate_optimizer_state(optimizer)
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
+    if attach:
+        state["model"] = {k: v for k, v in state["model"].items() if not k.startswith("mtp.")}
     try:
         loaded = dist_checkpointing.load(state, ckpt)
     except Exception as e:
         raise CheckpointError(f"cannot load {ckpt}: {type(e).__name__}: {e}") from e
-    _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    missing, unexpected = _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not (attach and k.startswith("mtp.")) and not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:

@@ -192,3 +192,17 @@ def test_schedules(style, extra):
             assert lrs[5] == pytest.approx(3e-3)  # stable until the last 4 iterations
     finally:
         destroy()
+
+
+def test_mtp_attach_adds_fresh_layers_to_a_checkpoint_without_them(tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    assert run(tmp_path, "plain", "--train-iters", "2", "--mtp-num-layers", "0", "--save", save)[0] == 0
+    code, _ = run(tmp_path, "refused", "--train-iters", "3", "--load", save)
+    assert code == 1 and "--mtp-attach" in capsys.readouterr().err
+    code, tb = run(tmp_path, "attached", "--train-iters", "4", "--load", save, "--mtp-attach")
+    assert code == 0
+    assert sorted(tb["mtp_1 distill loss"]) == [3, 4] and "mtp_1 top1 agreement" in tb
+    code, _ = run(tmp_path, "twice", "--train-iters", "5", "--load", save, "--mtp-attach", "--save", save)
+    assert code == 0  # the checkpoint it saved at iteration 5 now has MTP layers: a second attach is refused
+    code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach")
+    assert code == 1 and "already has 1 MTP layer" in capsys.readouterr().err
