@@ -15,7 +15,6 @@ import math
 import os
 import resource
 import shutil
-from dataclasses import asdict
 
 import torch
 import torch.distributed.checkpoint as dcp
