@@ -326,3 +326,44 @@ def packed_batch(batch: dict) -> tuple[dict, Optional[PackedSeqParams]]:
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              max_seqlen_q=max_len, max_seqlen_kv=max_len)
     return flat, params
+
+
+def parse_assistant(tokenizer, ids: Sequence[int]) -> dict:
+    """The inverse of rendering an assistant turn: generated ids -> an OpenAI-style message.
+
+    Works on ids, not text, so tool-call markers are recognised by their special ids whatever the detokenizer does
+    with specials. Returns {"content", "reasoning_content" (when a <think> block is present), "tool_calls"}; a call
+    whose markers are cut off (the generation hit its token limit) is left out and reported in "incomplete".
+    """
+    special = {name: tokenizer.token_id(name) for name in
+               (IM_END, THINK_BEGIN, THINK_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_ARGS, CALL_END)}
+    ids = [int(i) for i in ids]
+    if special[IM_END] in ids:
+        ids = ids[: ids.index(special[IM_END])]
+    reasoning = None
+    if special[THINK_END] in ids:
+        end = ids.index(special[THINK_END])
+        start = ids.index(special[THINK_BEGIN]) + 1 if special[THINK_BEGIN] in ids[:end] else 0
+        reasoning = tokenizer.decode(ids[start:end])
+        ids = ids[end + 1:]
+    calls, incomplete = [], False
+    if special[SECTION_BEGIN] in ids:
+        section = ids[ids.index(special[SECTION_BEGIN]) + 1:]
+        ids = ids[: ids.index(special[SECTION_BEGIN])]
+        while special[CALL_BEGIN] in section:
+            section = section[section.index(special[CALL_BEGIN]) + 1:]
+            if special[CALL_ARGS] not in section or special[CALL_END] not in section:
+                incomplete = True
+                break
+            head, rest = section[: section.index(special[CALL_ARGS])], section[section.index(special[CALL_ARGS]) + 1:]
+            call_id = tokenizer.decode(head).strip()
+            name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": tokenizer.decode(rest[: rest.index(special[CALL_END])])}})
+            section = rest[rest.index(special[CALL_END]) + 1:]
+    message = {"content": tokenizer.decode(ids), "tool_calls": calls}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if incomplete:
+        message["incomplete"] = True
+    return message

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 from megatron_ext import platform
+from megatron_ext.data.sft import IM_END, parse_assistant
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
 from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
 
@@ -134,16 +135,28 @@ class ModelService:
                                                             add_generation_prompt=True)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RequestError(f"cannot render 'messages': {e}") from None
-        completion = self._run(prompt_ids, self._sampling(body), bool(body.get("speculative")))
+        params = self._sampling(body)
+        end_of_turn = self._end_of_turn()
+        if end_of_turn is not None:  # an assistant turn ends at <|im_end|>
+            params.stop_token_ids = tuple(params.stop_token_ids) + (end_of_turn,)
+        completion = self._run(prompt_ids, params, bool(body.get("speculative")))
         choice = self._choice(completion, bool(body.get("logprobs")))
-        message = {"role": "assistant", "content": choice.pop("text")}
-        parse = getattr(self.tokenizer, "parse_tool_calls", None)
-        if parse is not None:
-            message["content"], message["tool_calls"] = parse(message["content"] or "")
+        choice.pop("text")
+        message = {"role": "assistant", **parse_assistant(self.tokenizer, completion.token_ids)}
+        if message["tool_calls"]:
+            choice["finish_reason"] = "tool_calls"
+        else:
+            del message["tool_calls"]
         choice["message"] = message
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "weights_version": self.version, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids)}}
+
+    def _end_of_turn(self):
+        try:
+            return self.tokenizer.token_id(IM_END)
+        except (AttributeError, ValueError):
+            return None
 
     def reload(self, body: dict) -> dict:
         path = body.get("load")

@@ -145,9 +145,31 @@ def test_text_and_chat_with_a_tokenizer(tmp_path):
             "messages": [{"role": "system", "content": "You write Python."},
                          {"role": "user", "content": "Print hello."}], "max_tokens": 4, "temperature": 0})
         assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+        assert isinstance(body["choices"][0]["message"]["content"], str)
         assert body["usage"]["prompt_tokens"] > 5
         status, body = _call(url, "/v1/chat/completions", {"messages": [{"role": 3}], "max_tokens": 2})
         assert status == 400 and "cannot render" in body["error"]["message"]
         httpd.shutdown()
     finally:
         destroy()
+
+
+def test_assistant_turns_parse_back_to_messages(tmp_path):
+    from megatron_ext.data.sft import parse_assistant, render_chat
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+
+    tokenizer = build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
+    calls = [{"id": "functions.read_file:0", "type": "function",
+              "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
+             {"id": "functions.run:1", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "ls"}'}}]
+    user = [{"role": "user", "content": "look"}]
+    prompt = render_chat(tokenizer, user, add_generation_prompt=True).ids
+    full = render_chat(tokenizer, user + [{"role": "assistant", "content": "Reading.", "tool_calls": calls}]).ids
+    generated = full[len(prompt):]
+    parsed = parse_assistant(tokenizer, generated)
+    assert parsed["content"] == "Reading." and parsed["tool_calls"] == calls
+    cut = parse_assistant(tokenizer, generated[: len(generated) // 2 + 8])
+    assert cut.get("incomplete") or len(cut["tool_calls"]) < 2
+    plain = render_chat(tokenizer, user + [{"role": "assistant", "content": "No tools needed."}]).ids
+    assert parse_assistant(tokenizer, plain[len(prompt):]) == {"content": "No tools needed.", "tool_calls": []}
