@@ -304,17 +304,24 @@ class InferenceEngine:
         if params.temperature == 0:
             ids = logits.argmax(-1)
         else:
-            scores = logits / params.temperature
-            if params.top_k:
-                kth = torch.topk(scores, min(params.top_k, scores.size(-1)), dim=-1).values[:, -1:]
-                scores = scores.masked_fill(scores < kth, -math.inf)
-            if params.top_p < 1.0:
-                sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-                cum = torch.softmax(sorted_scores, -1).cumsum(-1)
-                drop = cum - torch.softmax(sorted_scores, -1) >= params.top_p  # keep the smallest set reaching p
-                sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
-                scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
-            probs = torch.softmax(scores.double(), dim=-1)
+            probs = sampling_probs(logits, params)
             ids = torch.stack([torch.multinomial(probs[i], 1, generator=generators[i])[0]
                                for i in range(probs.size(0))])
         return ids, logprobs_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from, over the last dim: temperature, then top-k, then top-p (the
+    smallest set of most likely tokens reaching p); one-hot on the argmax when greedy."""
+    if params.temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.size(-1)).double()
+    scores = logits.double() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.size(-1)), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        p = torch.softmax(sorted_scores, -1)
+        sorted_scores = sorted_scores.masked_fill(p.cumsum(-1) - p >= params.top_p, -math.inf)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
+    return torch.softmax(scores, dim=-1)

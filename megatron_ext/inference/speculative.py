@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.inference.engine import Completion, InferenceEngine, LatentCache, SamplingParams
+from megatron_ext.inference.engine import Completion, InferenceEngine, LatentCache, SamplingParams, sampling_probs
 
 
 @dataclass
@@ -32,22 +32,6 @@ class SpeculationStats:
     @property
     def tokens_per_forward(self) -> float:
         return self.tokens / max(self.main_forwards, 1)
-
-
-def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution tokens are drawn from (temperature, top-k, top-p applied); one-hot when greedy."""
-    if params.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).double()
-    scores = logits.double() / params.temperature
-    if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.size(-1))).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        p = torch.softmax(sorted_scores, -1)
-        drop = p.cumsum(-1) - p >= params.top_p
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    return torch.softmax(scores, -1)
 
 
 def _draw(probs: torch.Tensor, generator) -> int:
@@ -105,7 +89,7 @@ def _speculate(engine: InferenceEngine, prompt: list[int], params: SamplingParam
         return len(out.token_ids) >= params.max_tokens
 
     last = logits[0, -1, :vocab]
-    if emit(_draw(_probs(last, params), g), last):
+    if emit(_draw(sampling_probs(last, params), g), last):
         return _finish(engine, out)
     while True:
         L = len(tokens)
@@ -116,7 +100,7 @@ def _speculate(engine: InferenceEngine, prompt: list[int], params: SamplingParam
         q_logits = engine.mtp_forward(h, torch.tensor([tokens[mtp_fed + 1: L]]), pos.unsqueeze(0), mtp_cache,
                                       torch.tensor([mtp_fed]))[0, -1, :vocab]
         mtp_fed = L - 1
-        q = _probs(q_logits, params)
+        q = sampling_probs(q_logits, params)
         d = _draw(q, g)
         stats.drafted += 1
         # verify: one main forward over [tokens[L-1], d] at positions L-1, L
@@ -124,7 +108,7 @@ def _speculate(engine: InferenceEngine, prompt: list[int], params: SamplingParam
                                                     main_cache, torch.tensor([L - 1]))
         stats.main_forwards += 1
         p_d, p_after = logits[0, 0, :vocab], logits[0, 1, :vocab]
-        p = _probs(p_d, params)
+        p = sampling_probs(p_d, params)
         if params.temperature == 0:
             accepted = int(p.argmax()) == d
         else:
@@ -133,7 +117,7 @@ def _speculate(engine: InferenceEngine, prompt: list[int], params: SamplingParam
         if accepted:
             stats.accepted += 1
             hiddens.append(hidden[1])
-            if emit(d, p_d) or emit(_draw(_probs(p_after, params), g), p_after):
+            if emit(d, p_d) or emit(_draw(sampling_probs(p_after, params), g), p_after):
                 break
         else:
             residual = (p - q).clamp(min=0)
