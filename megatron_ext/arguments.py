@@ -298,9 +298,6 @@ def validate_args(args: argparse.Namespace):
                         ("--context-parallel-size", cp)):
         if value < 1:
             _fail(f"{flag} must be >= 1, got {value}")
-    if cp > 1:
-        _fail(f"--context-parallel-size {cp}: context parallelism is not supported yet; use "
-              "--context-parallel-size 1")
     if world % (tp * pp * cp):
         _fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
               f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
@@ -309,6 +306,14 @@ def validate_args(args: argparse.Namespace):
         _fail(f"world size {world} is not divisible by --expert-model-parallel-size {ep} x "
               f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
               "change the expert-parallel sizes or the number of ranks")
+    if cp > 1:
+        if arch.seq_length % (2 * cp):
+            _fail(f"--seq-length {arch.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
+                  "(each rank holds two load-balanced chunks)")
+        if arch.mtp_num_layers and arch.seq_length // (2 * cp) < \
+                arch.mtp_num_layers:
+            _fail(f"--seq-length {arch.seq_length} / (2 x CP) is shorter than --mtp-num-layers "
+                  f"{arch.mtp_num_layers}: the MTP targets must lie in the next chunk at most")
     if tp > 1 and not args.sequence_parallel:
         # Megatron-Core refuses MoE + TP without SP, and the local MLA's replicated down projections
         # (models/specs.py) have their gradients summed over TP only on the sequence-parallel path.
@@ -321,9 +326,9 @@ def validate_args(args: argparse.Namespace):
               f"--tensor-model-parallel-size {tp}; pick a TP size that divides the head count")
     if arch.num_layers % pp:
         _fail(f"--num-layers {arch.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    if args.sequence_parallel and arch.seq_length % tp:
-        _fail(f"--seq-length {arch.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
-              "under --sequence-parallel")
+    if args.sequence_parallel and arch.seq_length % (tp * cp):
+        _fail(f"--seq-length {arch.seq_length} must be divisible by --tensor-model-parallel-size {tp}"
+              + (f" x --context-parallel-size {cp}" if cp > 1 else "") + " under --sequence-parallel")
     if arch.num_experts:
         if arch.num_experts % ep:
             _fail(f"--expert-model-parallel-size {ep} does not divide --num-experts {arch.num_experts}; "

@@ -90,6 +90,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and _is_cuda_device(dev):
             kwargs = dict(kwargs, device=_CPU)
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)  # pinned memory only speeds host-to-GPU copies
+        if func is torch.Tensor.pin_memory:
+            return args[0]
         if func is torch.device and args and _is_cuda_device(args[0]):
             return _CPU
         if func is torch.Tensor.cuda:

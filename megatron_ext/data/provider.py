@@ -52,7 +52,9 @@ def build_data(args: argparse.Namespace, log=print) -> DataSources:
 
         datasets, report = build_chat_datasets(tokenizer, args.data_path[0], args.seq_length,
                                                parse_split(args.split), args.seed, packed=True,
-                                               on_error=args.data_on_error)
+                                               on_error=args.data_on_error,
+                                               pad_multiple=2 * args.context_parallel_size
+                                               if args.context_parallel_size > 1 else 1)
         if report["bad_lines"]:
             shown = ", ".join(f"line {n}: {why}" for n, why in report["bad_lines"][:5])
             log(f"data: skipped {len(report['bad_lines'])} malformed conversations ({shown})")

@@ -235,15 +235,23 @@ class ChatDataset:
     """
 
     def __init__(self, conversations: Sequence[Conversation], seq_length: int, pad_id: int, seed: int,
-                 packed: bool = True):
+                 packed: bool = True, pad_multiple: int = 1):
         if not conversations:
             raise DataError("no conversations in this split")
+        if packed and seq_length % pad_multiple:
+            raise DataError(f"sequence length {seq_length} is not a multiple of {pad_multiple}")
         self.conversations, self.seq_length, self.pad_id, self.seed, self.packed = \
             list(conversations), seq_length, pad_id, seed, packed
-        lengths = [c.positions for c in self.conversations]
+        # Context parallelism splits every packed document into 2 x CP chunks: each conversation then occupies
+        # a multiple of that many positions, the padding masked out of the loss.
+        self.pad_multiple = pad_multiple if packed else 1
+        lengths = [self._span(c) for c in self.conversations]
         self.rows = pack(lengths, seq_length) if packed else [[i] for i in range(len(lengths))]
         self.max_documents = max(len(r) for r in self.rows) + 1  # + the filler after the last conversation
         self._perms: dict[int, np.ndarray] = {}
+
+    def _span(self, c: Conversation) -> int:
+        return -(-c.positions // self.pad_multiple) * self.pad_multiple
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -264,8 +272,9 @@ class ChatDataset:
             lo, n = bounds[-1], c.positions
             tokens[lo:lo + n], labels[lo:lo + n] = c.ids[:-1], c.ids[1:]
             loss_mask[lo:lo + n] = c.loss_mask[1:]
-            position_ids[lo:lo + n] = np.arange(n)
-            bounds.append(lo + n)
+            span = self._span(c)
+            position_ids[lo:lo + span] = np.arange(span)
+            bounds.append(lo + span)
         position_ids[bounds[-1]:] = np.arange(s - bounds[-1])
         sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
         if self.packed:
@@ -286,7 +295,7 @@ class ChatDataset:
 
 
 def build_chat_datasets(tokenizer, path: str, seq_length: int, shares: Sequence[float], seed: int,
-                        packed: bool = True, on_error: str = "fail"):
+                        packed: bool = True, on_error: str = "fail", pad_multiple: int = 1):
     """[train, validation, test] ChatDatasets (None for a split without share) from one chat JSONL, split by
     conversation order as Megatron splits documents; plus the encoding report."""
     from megatron_ext.data.gpt import SPLITS, split_ranges
@@ -303,7 +312,8 @@ def build_chat_datasets(tokenizer, path: str, seq_length: int, shares: Sequence[
         if hi <= lo:
             raise DataError(f"{path}: --split gives the {name} split {share:.2%} of {len(conversations)} "
                             "conversations, which rounds to none; give it a larger share or use more data")
-        datasets.append(ChatDataset(conversations[lo:hi], seq_length, tokenizer.pad_or_eod, seed, packed))
+        datasets.append(ChatDataset(conversations[lo:hi], seq_length, tokenizer.pad_or_eod, seed, packed,
+                                    pad_multiple))
     return datasets, report
 
 

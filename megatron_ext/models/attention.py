@@ -18,6 +18,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.models import context_parallel
+
 
 class CoreAttention(MegatronModule):
     """softmax(q k^T * scale + mask) v over [s, b, heads, dim] (or packed [t, heads, dim]) inputs.
@@ -25,6 +27,10 @@ class CoreAttention(MegatronModule):
     Masks: causal (the default for GPT), an explicit boolean mask where True means "do not attend" (Megatron's
     convention), and packed sequences whose documents are given by ``cu_seqlens``; a token never attends across
     a document boundary.
+
+    Context parallelism: the keys and values cover the whole sequence (`mla.ContextParallelMLA` gathers them)
+    while the queries are this rank's load-balanced chunks (`context_parallel`); each chunk attends to the keys
+    up to its own end with a causal mask aligned to the bottom right.
     """
 
     def __init__(
@@ -41,8 +47,6 @@ class CoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not implemented in the local core attention yet")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -63,6 +67,8 @@ class CoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by the local core attention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if self.config.context_parallel_size > 1 and key.size(0) != query.size(0):
+            return self._context_parallel(query, key, value, attention_mask, mask_type, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # [t, heads, dim] -> [1, t, heads, dim]: one sequence of all packed documents, block-diagonal mask.
             out = self._attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
@@ -85,6 +91,31 @@ class CoreAttention(MegatronModule):
             causal = False
         return self._attend(query, key, value, mask, is_causal=causal)
 
+    def _context_parallel(self, query, key, value, attention_mask, mask_type, packed_seq_params):
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or (
+                attention_mask is not None and mask_type != AttnMaskType.causal):
+            raise NotImplementedError("context parallelism supports causal attention without padding masks")
+        cp = self.config.context_parallel_size
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            bounds = context_parallel.document_bounds(key.size(0), packed_seq_params)
+            pos_q = context_parallel.local_index(bounds).to(query.device)
+            pos_k = torch.arange(key.size(0), device=query.device)
+            ends = torch.tensor(bounds[1:], device=query.device)
+            doc_q = torch.searchsorted(ends, pos_q, right=True)
+            doc_k = torch.searchsorted(ends, pos_k, right=True)
+            mask = (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+            out = self._attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, is_causal=False)
+            return out.squeeze(1)
+        c = key.size(0) // (2 * cp)
+        rank = context_parallel.cp_rank()
+        outs = []
+        for half, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
+            q = query[half * c:(half + 1) * c]
+            end = (chunk + 1) * c
+            outs.append(self._attend(q, key[:end], value[:end], _bottom_right_causal(c, end, query.device),
+                                     is_causal=False))
+        return torch.cat(outs, dim=0)
+
     def _attend(self, query, key, value, mask, is_causal: bool) -> torch.Tensor:
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -100,6 +131,15 @@ class CoreAttention(MegatronModule):
         # [b, n, s, dv] -> [s, b, n * dv]
         b, n, s, dv = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)
+
+
+def _bottom_right_causal(sq: int, sk: int, device):
+    """Causal mask for queries that are the last sq of sk positions (True attends)."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(sq, sk)
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
 
 
 def _packed_mask(params: PackedSeqParams, tq: int, tk: int, device, causal: bool) -> torch.Tensor:

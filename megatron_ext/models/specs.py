@@ -1,8 +1,9 @@
 """Layer specs per backend.
 
 ``transformer_engine``: Megatron-Core's own TE specs, untouched. ``local``: Megatron-Core's local modules with
-two substitutions that make MLA, packed sequences and sequence parallelism work without TE: our SDPA-based core
-attention and an RMSNorm that marks its weight for sequence parallelism.
+substitutions that make MLA, packed sequences, sequence and context parallelism work without TE: our SDPA-based
+core attention, MLA that all-gathers its KV latent under context parallelism, and an RMSNorm that marks its weight
+for sequence parallelism.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -28,6 +29,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_ext.models.attention import CoreAttention
+from megatron_ext.models.mla import ContextParallelMLA
 from megatron_ext.models.norm import RMSNorm
 
 
@@ -60,7 +62,7 @@ def mla_layer_spec(backend: LocalSpecProvider, num_experts: int | None) -> Modul
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=MLASelfAttention,
+                module=ContextParallelMLA,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=MLASelfAttentionSubmodules(
                     linear_q_proj=backend.column_parallel_linear(),

@@ -20,6 +20,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+from megatron_ext.models import context_parallel
+
 # name -> summed per-micro-batch values, reset by pop_metrics(); read by the training step's loss reduction
 _METRICS: dict[str, torch.Tensor] = {}
 
@@ -79,31 +81,32 @@ def _tp_argmax(logits: torch.Tensor) -> torch.Tensor:
     return mine
 
 
+def _bounds(seq_local: int, packed_seq_params=None) -> tuple[int, ...]:
+    return context_parallel.document_bounds(seq_local * context_parallel.cp_size(), packed_seq_params)
+
+
 def shifted_mask(loss_mask: torch.Tensor, k: int, packed_seq_params=None) -> torch.Tensor:
-    """[b, s] mask of positions t whose distillation target t + k exists in the same document."""
-    mask = torch.zeros_like(loss_mask, dtype=torch.float)
-    if k < loss_mask.size(1):
-        mask[:, : -k] = loss_mask[:, k:].float() * (loss_mask[:, : -k] > 0).float()
-    if packed_seq_params is not None:
-        cu = packed_seq_params.cu_seqlens_q.to(loss_mask.device)
-        pos = torch.arange(loss_mask.size(1), device=loss_mask.device)
-        doc = torch.searchsorted(cu[1:].contiguous(), pos, right=True)
-        same = torch.zeros_like(mask, dtype=torch.bool)
-        same[:, : -k] = (doc[:-k] == doc[k:]).unsqueeze(0)
-        mask = mask * same.float()
-    return mask
+    """[b, s] mask of positions t whose distillation target t + k exists in the same document (and counts)."""
+    bounds = _bounds(loss_mask.size(1), packed_seq_params)
+    ahead = context_parallel.shift_left(loss_mask.float(), k, bounds, dim=1)
+    return ahead * (loss_mask > 0).float()
 
 
 def self_distillation_losses(main_logits: torch.Tensor, mtp_logits: list[torch.Tensor], loss_mask: torch.Tensor,
                              temperature: float, packed_seq_params=None):
-    """Per-depth (per-token KL [b, s], mask [b, s], top-1 agreement [b, s]) from [s, b, V/tp] logits."""
+    """Per-depth (per-token KL [b, s], mask [b, s], top-1 agreement [b, s]) from [s, b, V/tp] logits.
+
+    Under context parallelism the positions are this rank's chunks; targets k positions ahead may come from the
+    next chunk on another rank (`context_parallel.shift_left`)."""
+    bounds = _bounds(main_logits.size(0), packed_seq_params)
     target = vocab_parallel_log_softmax(main_logits.detach() / temperature)  # [s, b, V/tp]
+    main_top1 = _tp_argmax(main_logits.detach())
     out = []
     for k, logits in enumerate(mtp_logits, start=1):
         log_q = vocab_parallel_log_softmax(logits / temperature)
-        log_p = torch.roll(target, shifts=-k, dims=0)
+        log_p = context_parallel.shift_left(target, k, bounds, dim=0)
         kl = _tp_sum((log_p.exp() * (log_p - log_q)).sum(dim=-1, keepdim=True)).squeeze(-1)  # [s, b]
-        agree = (_tp_argmax(logits.detach()) == torch.roll(_tp_argmax(main_logits.detach()), -k, dims=0)).float()
+        agree = (_tp_argmax(logits.detach()) == context_parallel.shift_left(main_top1, k, bounds, dim=0)).float()
         mask = shifted_mask(loss_mask, k, packed_seq_params)
         out.append((kl.transpose(0, 1), mask, agree.transpose(0, 1)))
     return out
@@ -111,10 +114,19 @@ def self_distillation_losses(main_logits: torch.Tensor, mtp_logits: list[torch.T
 
 def attach(output: torch.Tensor, losses, scaling_factor: float, per_token: bool, training: bool) -> torch.Tensor:
     """Give the MTP losses their gradient through `output` (Megatron's MTPLossAutoScaler, which the pipeline
-    schedule scales like the main loss) and record them for logging."""
+    schedule scales like the main loss) and record them for logging.
+
+    Per-token means count the tokens of the whole sequence: under context parallelism the token count is summed
+    over the CP group and the loss multiplied by the CP size, because gradients are averaged over data- and
+    context-parallel ranks alike (Megatron-Core's own MTP loss divides by the local count, mis-scaling it)."""
     num_layers = len(losses)
+    cp = context_parallel.cp_size()
     for k, (kl, mask, agree) in enumerate(losses, start=1):
-        tokens = mask.sum().clamp(min=1)
+        tokens = mask.sum()
+        if cp > 1:
+            tokens = tokens.detach().clone()
+            dist.all_reduce(tokens, group=parallel_state.get_context_parallel_group())
+        tokens = tokens.clamp(min=1) / cp
         loss = (kl * mask).sum()
         if training:
             _record(f"mtp_{k} distill loss", loss.detach() / tokens)

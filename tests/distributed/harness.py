@@ -26,7 +26,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int):
+def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
+            batches: list | None = None):
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -45,8 +46,8 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     results = []
     for iteration in range(steps):
-        r = train_step(entry.forward_step, entry.train_data_iterator(args, iteration), model, optimizer, args,
-                       num_microbatches)
+        data = iter(batches[iteration]) if batches else entry.train_data_iterator(args, iteration)
+        r = train_step(entry.forward_step, data, model, optimizer, args, num_microbatches)
         results.append({"losses": r["losses"], "grad_norm": float(r["grad_norm"])})
     if rank == 0:
         with open(out, "w") as f:
@@ -54,11 +55,15 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
     destroy()
 
 
-def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1) -> list[dict]:
-    """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms."""
+def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1,
+               batches: list | None = None) -> list[dict]:
+    """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms.
+
+    `batches[i]` (optional) lists the micro-batches of step i, given to every rank (layouts without data
+    parallelism); otherwise the entry script's mock data is used."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches), nprocs=world,
                            join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)

@@ -8,7 +8,7 @@ from tests.distributed.harness import run_layout
 
 # A tiny K2.5: MLA with q/kv LoRA, YaRN, first layer dense, sigmoid router with expert bias, shared expert, MTP.
 BASE = ["--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "1e-2", "--seed", "7"]
+        "--lr", "1e-3", "--seed", "7"]
 
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -19,9 +19,16 @@ LAYOUTS = {
     "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                     "--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "cp2_tp2": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "cp2_ep2": (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
 }
 
 RTOL = 1e-5
+# Megatron-Core logs its MTP cross-entropy as the mean of per-rank token means; under context parallelism the
+# ranks count different numbers of valid targets (the sequence's last position lives on rank 0), which moves
+# that logged value by ~1e-5 relative. Our own MTP losses (the trained ones) are exact token means.
+CP_LOGGED_MTP_CE_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -41,5 +48,8 @@ def test_layout_matches_single_rank(layout, reference):
         assert set(got["losses"]) == set(want["losses"])
         assert {"lm loss", "mtp_1 loss"} <= set(want["losses"])
         for name, value in want["losses"].items():
+            if layout.startswith("cp") and name == "mtp_1 loss":
+                assert math.isclose(got["losses"][name], value, rel_tol=CP_LOGGED_MTP_CE_RTOL)
+                continue
             _assert_close(f"step {step} {name}", got["losses"][name], value)
         _assert_close(f"step {step} grad norm", got["grad_norm"], want["grad_norm"])

@@ -143,6 +143,22 @@ def test_packing_places_every_conversation_once(tok):
         assert {tuple(ds[epoch * len(ds) + k]["tokens"].tolist()) for k in range(len(ds))} == rows
 
 
+def test_packing_pads_documents_for_context_parallelism():
+    convs = [Conversation(torch.arange(n).numpy() + 1, torch.ones(n).float().numpy()) for n in (5, 9, 3, 17, 2)]
+    ds = ChatDataset(convs, 24, pad_id=0, seed=3, pad_multiple=4)  # CP 2: documents in multiples of 4
+    for r, row in enumerate(ds.rows):
+        sample = ds.row(r)
+        cu = sample["cu_seqlens"][sample["cu_seqlens"] >= 0].tolist()
+        assert all(b % 4 == 0 for b in cu) and cu[-1] == 24
+        for k, i in enumerate(row):
+            n = convs[i].positions
+            assert sample["tokens"][cu[k]:cu[k] + n].tolist() == convs[i].ids[:-1].tolist()
+            assert sample["loss_mask"][cu[k]:cu[k] + n].sum() == n  # every real target counts
+            assert sample["loss_mask"][cu[k] + n:cu[k + 1]].sum() == 0  # the padding never does
+    with pytest.raises(DataError, match="not a multiple of 4"):
+        ChatDataset(convs, 30, pad_id=0, seed=3, pad_multiple=4)
+
+
 @pytest.fixture
 def single_rank():
     yield
