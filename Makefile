@@ -23,29 +23,37 @@ test-all: $(STAMP)
 DEMO := runs/demo
 DEMO_DATA := $(DEMO)/data
 DEMO_TOKENIZER := $(DEMO_DATA)/tokenizer
-# the standard library as a code corpus, a 4096-id BPE tokenizer trained on it, 256-token samples
-DEMO_DATA_FLAGS := --data-path $(DEMO_DATA)/stdlib_text_document --split 98,1,1 --tokenizer-type HFTokenizer \
-	--tokenizer-model $(DEMO_TOKENIZER) --seq-length 256
-TINY_TRAIN := --model tiny $(DEMO_DATA_FLAGS) --micro-batch-size 8 --global-batch-size 16 --lr 1e-2 \
-	--lr-warmup-iters 5 --min-lr 1e-3 --log-interval 10 --eval-interval 10 --eval-iters 2 --save $(DEMO)/ckpt \
-	--save-interval 25 --tensorboard-dir $(DEMO)/tb
+# the standard library as a code corpus and a 4096-id BPE tokenizer trained on it
+DEMO_TOKENS := --tokenizer-type HFTokenizer --tokenizer-model $(DEMO_TOKENIZER)
+DEMO_PRETRAIN_DATA := --data-path $(DEMO_DATA)/stdlib_text_document $(DEMO_TOKENS)
+DEMO_SFT_DATA := --data-path $(DEMO_DATA)/sft.jsonl $(DEMO_TOKENS)
+TORCHRUN := $(VENV)/bin/torchrun --nproc-per-node 2
 
 demo: $(STAMP)
-	$(PY) pretrain_composer.py --model kimi-k2.5 --dry-run
+	WORLD_SIZE=512 $(PY) pretrain_composer.py @examples/kimi-k2.5/pretrain-32k.args --dry-run
 	rm -rf $(DEMO)
-	# data: corpus -> tokenizer -> Megatron indexed dataset (offline, from this machine's Python)
+	# data: corpus -> tokenizer -> Megatron indexed dataset, and coding conversations for SFT (offline)
 	$(PY) tools/build_corpus.py --output $(DEMO_DATA)/stdlib.jsonl
 	$(PY) tools/train_tokenizer.py --input $(DEMO_DATA)/stdlib.jsonl --vocab-size 4096 --output $(DEMO_TOKENIZER)
 	$(PY) tools/preprocess_data.py --input $(DEMO_DATA)/stdlib.jsonl --output-prefix $(DEMO_DATA)/stdlib \
 		--tokenizer-type HFTokenizer --tokenizer-model $(DEMO_TOKENIZER) --workers 2 --append-eod
-	# tiny K2.5 (MLA, MoE, MTP) pretraining on it under TP2 + SP on two gloo ranks
-	$(VENV)/bin/torchrun --nproc-per-node 2 pretrain_composer.py $(TINY_TRAIN) --train-iters 50 \
-		--tensor-model-parallel-size 2 --sequence-parallel
-	# resume the same run under plain data parallelism: weights and optimizer state are resharded
-	$(VENV)/bin/torchrun --nproc-per-node 2 pretrain_composer.py $(TINY_TRAIN) --train-iters 60 --load $(DEMO)/ckpt
-	$(PY) -c "from tests.tb import scalars; v = scalars('$(DEMO)/tb')['lm loss validation']; \
-		print('validation lm loss by iteration:', {k: round(x, 3) for k, x in sorted(v.items())}); \
-		assert v[max(v)] < v[min(v)], 'validation loss did not fall'"
+	$(PY) tools/build_sft_data.py --input $(DEMO_DATA)/stdlib.jsonl --output $(DEMO_DATA)/sft.jsonl
+	# stage 1, pretrain at 256 tokens: TP2 + SP until iteration 40, then resumed under DP2 (resharded)
+	$(TORCHRUN) pretrain_composer.py @examples/tiny/pretrain.args $(DEMO_PRETRAIN_DATA) \
+		--tensor-model-parallel-size 2 --sequence-parallel --exit-interval 40
+	$(TORCHRUN) pretrain_composer.py @examples/tiny/pretrain.args $(DEMO_PRETRAIN_DATA)
+	# stage 2, extend to 1024 tokens with YaRN under context parallelism 2; MTP attached, self-distilled
+	$(TORCHRUN) pretrain_composer.py @examples/tiny/extend.args $(DEMO_PRETRAIN_DATA)
+	# stage 3, SFT on packed coding conversations
+	$(TORCHRUN) pretrain_composer.py @examples/tiny/sft.args $(DEMO_SFT_DATA)
+	$(PY) -c "from tests.tb import scalars; \
+		v = scalars('$(DEMO)/tb/pretrain')['lm loss validation']; \
+		print('pretrain validation lm loss:', {k: round(x, 3) for k, x in sorted(v.items())}); \
+		assert v[max(v)] < v[min(v)], 'validation loss did not fall'; \
+		e = scalars('$(DEMO)/tb/extend'); s = scalars('$(DEMO)/tb/sft'); \
+		print('extend (CP2, 1024 tokens) validation lm loss:', {k: round(x, 3) for k, x in sorted(e['lm loss validation'].items())}); \
+		print('sft validation lm loss:', {k: round(x, 3) for k, x in sorted(s['lm loss validation'].items())}); \
+		a = s['mtp_1 top1 agreement']; print('MTP-1 top-1 agreement with the main head, end of SFT:', round(a[max(a)], 3))"
 	@echo "TensorBoard events: $(DEMO)/tb  (tensorboard --logdir $(DEMO)/tb)"
 
 clean:

@@ -4,6 +4,8 @@
     python pretrain_composer.py --model tiny --data-path data/stdlib_text_document --split 98,1,1 \
         --tokenizer-type HFTokenizer --tokenizer-model data/tokenizer
     python pretrain_composer.py --model kimi-k2.5 --dry-run
+    torchrun --nproc-per-node 2 pretrain_composer.py --stage extend --load ckpt/pretrain --save ckpt/extend \
+        --seq-length 1024 --context-parallel-size 2 ...      (stages: examples/*.args)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_ext.models import context_parallel
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
+from megatron_ext.training import stages
 from megatron_ext.training.loop import TrainingAborted, pretrain
 
 
@@ -79,6 +82,7 @@ def main(argv=None):
     initialize_distributed(args)
     log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
     print_parameter_counts(args, log)
+    log(stages.describe(args, args.stage_previous_arch))
     try:
         data = build_data(args, log)  # checks every file before the model is built
     except (DataError, TokenizerError) as e:

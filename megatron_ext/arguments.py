@@ -11,6 +11,7 @@ import os
 from typing import Callable, Iterable, Optional
 
 from megatron_ext import platform
+from megatron_ext.training import stages
 from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset
 
 
@@ -152,6 +153,7 @@ def _add_training_args(parser: argparse.ArgumentParser):
                    help="print the configuration and parameter counts without building the model")
     g.add_argument("--eval-interval", type=int, default=None, help="iterations between validation runs")
     g.add_argument("--eval-iters", type=int, default=10, help="validation batches per evaluation")
+    stages.add_stage_args(g)
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser):
@@ -179,9 +181,16 @@ def _add_logging_args(parser: argparse.ArgumentParser):
                    help="fault injection: make the loss NaN at these iterations (tests the skip logic)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reads flag files given as @FILE (examples/*.args): whitespace-separated flags, '#' starts a comment."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        return arg_line.split("#", 1)[0].split()
+
+
 def build_parser(description: str = "", extra: Iterable[Callable[[argparse.ArgumentParser], None]] = ()):
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description=description, allow_abbrev=False, fromfile_prefix_chars="@",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
                 _add_checkpoint_args, _add_logging_args, _add_data_args, *extra):
         add(parser)
@@ -224,8 +233,15 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
         from megatron_ext.training.checkpointing import checkpoint_arch
 
         base_arch = checkpoint_arch(args.load)
-    _apply_tokenizer(args, base_arch)  # data: the tokenizer fixes the vocabulary size
-    arch = resolve_preset(args, base_arch)
+    try:
+        previous = stages.prepare(args)  # extend/sft: the previous stage's checkpoint and architecture
+        args.stage_previous_arch = previous
+        if previous is not None:
+            base_arch = previous
+        _apply_tokenizer(args, base_arch)  # data: the tokenizer fixes the vocabulary size
+        arch = stages.configure(args, resolve_preset(args, base_arch), previous)
+    except stages.StageError as e:
+        _fail(str(e))
     args.arch = arch
     # Expose the effective architecture under the flag names, so code reads args.hidden_size etc.
     for flag, (field, _, _) in _ARCH_FLAGS.items():
