@@ -23,8 +23,9 @@ setup(
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4
-        # unpacker to check our dequantisation against (it needs loguru, which it does not declare)
-        "dev": ["pytest", "transformers", "compressed-tensors", "loguru"],
+        # unpacker to check our dequantisation against (it needs loguru, which it does not declare);
+        # matplotlib: the plots benchmarks/ scripts write into docs/
+        "dev": ["pytest", "transformers", "compressed-tensors", "loguru", "matplotlib"],
         # Transformer Engine for FP8 and fused kernels on H100/H200; install apex from source if wanted
         # (https://github.com/NVIDIA/apex), it is not on PyPI.
         "gpu": ["transformer-engine[pytorch]"],

@@ -1,0 +1,179 @@
+"""The three continued-pretraining stages on real code, with the loss plotted against tokens on a log axis.
+
+    python benchmarks/stages_loss.py [--out runs/stages] [--pretrain-iters 300] [--extend-iters 40] [--sft-iters 40]
+
+Uses `make demo`'s data (runs/demo/data: the standard-library corpus, its 4096-id tokenizer, the indexed dataset
+and the SFT conversations; built if missing) and the flag files in examples/tiny/: pretrain at 256 tokens
+(2 ranks, DP2), extend to 1024 tokens with YaRN under context parallelism 2 (MTP attached, self-distilled), SFT.
+Writes docs/stages_loss.png and prints the figures docs/benchmarks.md records:
+  - the pretraining loss against log(tokens): least-squares slope and R^2 over the second half of the warm-up-free
+    steps, to see whether the loss falls log-linearly as the Composer 2 report observes on its code base;
+  - the short-context cost of YaRN: validation loss on 256-token windows of the pretrained weights with plain RoPE,
+    under the extension's YaRN before any extension training, and after the extension stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DATA = os.path.join(ROOT, "runs", "demo", "data")
+
+
+def sh(cmd: list[str]):
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def ensure_data(py: str):
+    tok = os.path.join(DATA, "tokenizer")
+    if not os.path.exists(os.path.join(DATA, "stdlib_text_document.idx")):
+        sh([py, "tools/build_corpus.py", "--output", os.path.join(DATA, "stdlib.jsonl")])
+        sh([py, "tools/train_tokenizer.py", "--input", os.path.join(DATA, "stdlib.jsonl"), "--vocab-size", "4096",
+            "--output", tok])
+        sh([py, "tools/preprocess_data.py", "--input", os.path.join(DATA, "stdlib.jsonl"), "--output-prefix",
+            os.path.join(DATA, "stdlib"), "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tok,
+            "--workers", "2", "--append-eod"])
+    if not os.path.exists(os.path.join(DATA, "sft.jsonl")):
+        sh([py, "tools/build_sft_data.py", "--input", os.path.join(DATA, "stdlib.jsonl"),
+            "--output", os.path.join(DATA, "sft.jsonl")])
+
+
+def short_context_loss(flags: list[str], path: str, windows: int = 16, seq: int = 256) -> float:
+    """Mean per-token loss of the weights under `path` on 256-token windows of the validation split."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.training.checkpointing import load_weights
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    ds = IndexedDataset(os.path.join(DATA, "stdlib_text_document"))
+    ids = torch.from_numpy(__import__("numpy").concatenate([ds[i] for i in range(len(ds) - 40, len(ds))])
+                           .astype("int64"))
+    del ds
+    rows = ids[: windows * (seq + 1)].view(windows, seq + 1)
+    args = parse_args(flags, world_size=1)
+    initialize_distributed(args)
+    try:
+        model = build_model(args, wrap_ddp=False)
+        load_weights(args, model, path, log=lambda *a: None)
+        model[0].eval()
+        with torch.no_grad():
+            total = 0.0
+            for i in range(0, windows, 4):
+                tokens, labels = rows[i:i + 4, :-1], rows[i:i + 4, 1:]
+                positions = torch.arange(seq).expand_as(tokens)
+                total += float(model[0](tokens, positions, None, labels=labels).sum())
+        return total / (windows * seq)
+    finally:
+        destroy()
+
+
+def fit_loglinear(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope of loss against ln(tokens) and R^2."""
+    xs = [math.log(t) for t, _ in points]
+    ys = [v for _, v in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    ss_res = sum((y - (my + slope * (x - mx))) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return slope, 1 - ss_res / ss_tot
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "stages"))
+    p.add_argument("--pretrain-iters", type=int, default=300)
+    p.add_argument("--extend-iters", type=int, default=40)
+    p.add_argument("--sft-iters", type=int, default=40)
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "stages_loss.png"))
+    a = p.parse_args()
+    py = sys.executable
+    torchrun = [os.path.join(os.path.dirname(py), "torchrun"), "--nproc-per-node", "2", "pretrain_composer.py"]
+    tokens = ["--tokenizer-type", "HFTokenizer", "--tokenizer-model", os.path.join(DATA, "tokenizer")]
+    pretrain_data = ["--data-path", os.path.join(DATA, "stdlib_text_document"), *tokens]
+    ensure_data(py)
+    ck = {s: os.path.join(a.out, "ckpt", s) for s in ("pretrain", "extend", "sft")}
+    tb = {s: os.path.join(a.out, "tb", s) for s in ck}
+    if not os.path.exists(os.path.join(ck["sft"], "latest_checkpointed_iteration.txt")):
+        sh(torchrun + ["@examples/tiny/pretrain.args", *pretrain_data, "--train-iters", str(a.pretrain_iters),
+                       "--save", ck["pretrain"], "--load", ck["pretrain"], "--save-interval", str(a.pretrain_iters),
+                       "--eval-interval", "25", "--tensorboard-dir", tb["pretrain"]])
+        sh(torchrun + ["@examples/tiny/extend.args", *pretrain_data, "--train-iters", str(a.extend_iters),
+                       "--load", ck["pretrain"], "--save", ck["extend"], "--save-interval", str(a.extend_iters),
+                       "--tensorboard-dir", tb["extend"]])
+        sh(torchrun + ["@examples/tiny/sft.args", "--data-path", os.path.join(DATA, "sft.jsonl"), *tokens,
+                       "--train-iters", str(a.sft_iters), "--load", ck["extend"], "--save", ck["sft"],
+                       "--save-interval", str(a.sft_iters), "--tensorboard-dir", tb["sft"]])
+
+    from tests.tb import scalars
+
+    stages = [("pretrain", 16 * 256), ("extend", 4 * 1024), ("sft", 4 * 1024)]  # tokens per step
+    curves, offset = {}, 0
+    for name, per_step in stages:
+        s = scalars(tb[name])
+        train = sorted(s["lm loss"].items())
+        valid = sorted(s.get("lm loss validation", {}).items())
+        curves[name] = ([(offset + it * per_step, v) for it, v in train], [(offset + it * per_step, v) for it, v in valid])
+        offset += train[-1][0] * per_step
+        if name == "sft" and "mtp_1 top1 agreement" in s:
+            agreement = sorted(s["mtp_1 top1 agreement"].items())[-1][1]
+    pre_train = curves["pretrain"][0]
+    tail = pre_train[len(pre_train) // 2:]
+    slope, r2 = fit_loglinear(tail)
+
+    common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
+    plain = short_context_loss(common + ["--load", ck["pretrain"], "--use-checkpoint-args"], ck["pretrain"])
+    yarn = short_context_loss(common + ["--stage", "extend", "--load", ck["pretrain"], "--seq-length", "1024"],
+                              ck["pretrain"])
+    extended = short_context_loss(common + ["--load", ck["extend"], "--use-checkpoint-args"], ck["extend"])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {"pretrain": "tab:blue", "extend": "tab:orange", "sft": "tab:green"}
+    for name, (train, valid) in curves.items():
+        ax.plot([t for t, _ in train], [v for _, v in train], color=colours[name], alpha=0.6, label=f"{name} (train)")
+        if valid:
+            ax.plot([t for t, _ in valid], [v for _, v in valid], "o", color=colours[name], label=f"{name} (validation)")
+    xs = [t for t, _ in tail]
+    mx = sum(math.log(x) for x in xs) / len(xs)
+    my = sum(v for _, v in tail) / len(tail)
+    ax.plot(xs, [my + slope * (math.log(x) - mx) for x in xs], "k--",
+            label=f"log-linear fit: {slope:.3f} nats per e-fold, R² {r2:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens trained (all stages, cumulative)")
+    ax.set_ylabel("lm loss (nats/token)")
+    ax.set_title("tiny K2.5 on the Python standard library: pretrain 256 -> extend 1024 (CP2, YaRN) -> SFT")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.plot, dpi=120)
+    result = {"pretrain_loglinear_slope": slope, "pretrain_loglinear_r2": r2,
+              "pretrain_final_loss": pre_train[-1][1],
+              "pretrain_final_validation": curves["pretrain"][1][-1][1] if curves["pretrain"][1] else None,
+              "short_context_loss_plain_rope": plain, "short_context_loss_yarn_before_extension": yarn,
+              "short_context_loss_after_extension": extended,
+              "extend_final_validation": curves["extend"][1][-1][1] if curves["extend"][1] else None,
+              "sft_final_validation": curves["sft"][1][-1][1] if curves["sft"][1] else None,
+              "sft_mtp1_top1_agreement": agreement, "plot": os.path.relpath(a.plot, ROOT)}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
