@@ -1,13 +1,14 @@
 """The three continued-pretraining stages on real code, with the loss plotted against tokens on a log axis.
 
-    python benchmarks/stages_loss.py [--out runs/stages] [--pretrain-iters 300] [--extend-iters 40] [--sft-iters 40]
+    python benchmarks/stages_loss.py [--out runs/stages] [--pretrain-iters 600] [--extend-iters 60] [--sft-iters 60]
 
 Uses `make demo`'s data (runs/demo/data: the standard-library corpus, its 4096-id tokenizer, the indexed dataset
 and the SFT conversations; built if missing) and the flag files in examples/tiny/: pretrain at 256 tokens
 (2 ranks, DP2), extend to 1024 tokens with YaRN under context parallelism 2 (MTP attached, self-distilled), SFT.
 Writes docs/stages_loss.png and prints the figures docs/benchmarks.md records:
-  - the pretraining loss against log(tokens): least-squares slope and R^2 over the second half of the warm-up-free
-    steps, to see whether the loss falls log-linearly as the Composer 2 report observes on its code base;
+  - the pretraining loss against log(tokens): least-squares slope and R^2 of the validation losses (after the first
+    evaluation) and of the training losses' second half, to see whether the loss falls log-linearly as the
+    Composer 2 report observes on its code base;
   - the short-context cost of YaRN: validation loss on 256-token windows of the pretrained weights with plain RoPE,
     under the extension's YaRN before any extension training, and after the extension stage.
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -47,35 +49,18 @@ def ensure_data(py: str):
 
 
 def short_context_loss(flags: list[str], path: str, windows: int = 16, seq: int = 256) -> float:
-    """Mean per-token loss of the weights under `path` on 256-token windows of the validation split."""
+    """Mean per-token loss of the weights under `path` on 256-token windows of the last documents (held out)."""
+    import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.arguments import parse_args
-    from megatron_ext.training.checkpointing import load_weights
-    from megatron_ext.training.initialize import destroy, initialize_distributed
-    from megatron_ext.training.step import build_model
+    from megatron_ext.training.stages import window_loss
 
     ds = IndexedDataset(os.path.join(DATA, "stdlib_text_document"))
-    ids = torch.from_numpy(__import__("numpy").concatenate([ds[i] for i in range(len(ds) - 40, len(ds))])
-                           .astype("int64"))
+    ids = torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds) - 40, len(ds))]).astype("int64"))
     del ds
     rows = ids[: windows * (seq + 1)].view(windows, seq + 1)
-    args = parse_args(flags, world_size=1)
-    initialize_distributed(args)
-    try:
-        model = build_model(args, wrap_ddp=False)
-        load_weights(args, model, path, log=lambda *a: None)
-        model[0].eval()
-        with torch.no_grad():
-            total = 0.0
-            for i in range(0, windows, 4):
-                tokens, labels = rows[i:i + 4, :-1], rows[i:i + 4, 1:]
-                positions = torch.arange(seq).expand_as(tokens)
-                total += float(model[0](tokens, positions, None, labels=labels).sum())
-        return total / (windows * seq)
-    finally:
-        destroy()
+    return window_loss(flags, path, [(rows[i:i + 4, :-1], rows[i:i + 4, 1:]) for i in range(0, windows, 4)])
 
 
 def fit_loglinear(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -94,10 +79,11 @@ def fit_loglinear(points: list[tuple[float, float]]) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "stages"))
-    p.add_argument("--pretrain-iters", type=int, default=300)
-    p.add_argument("--extend-iters", type=int, default=40)
-    p.add_argument("--sft-iters", type=int, default=40)
+    p.add_argument("--pretrain-iters", type=int, default=600)
+    p.add_argument("--extend-iters", type=int, default=60)
+    p.add_argument("--sft-iters", type=int, default=60)
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "stages_loss.png"))
+    p.add_argument("--reuse", action="store_true", help="measure and plot the run already in --out")
     a = p.parse_args()
     py = sys.executable
     torchrun = [os.path.join(os.path.dirname(py), "torchrun"), "--nproc-per-node", "2", "pretrain_composer.py"]
@@ -106,7 +92,8 @@ def main() -> int:
     ensure_data(py)
     ck = {s: os.path.join(a.out, "ckpt", s) for s in ("pretrain", "extend", "sft")}
     tb = {s: os.path.join(a.out, "tb", s) for s in ck}
-    if not os.path.exists(os.path.join(ck["sft"], "latest_checkpointed_iteration.txt")):
+    if not a.reuse:
+        shutil.rmtree(a.out, ignore_errors=True)
         sh(torchrun + ["@examples/tiny/pretrain.args", *pretrain_data, "--train-iters", str(a.pretrain_iters),
                        "--save", ck["pretrain"], "--load", ck["pretrain"], "--save-interval", str(a.pretrain_iters),
                        "--eval-interval", "25", "--tensorboard-dir", tb["pretrain"]])
@@ -129,9 +116,10 @@ def main() -> int:
         offset += train[-1][0] * per_step
         if name == "sft" and "mtp_1 top1 agreement" in s:
             agreement = sorted(s["mtp_1 top1 agreement"].items())[-1][1]
-    pre_train = curves["pretrain"][0]
-    tail = pre_train[len(pre_train) // 2:]
+    pre_train, pre_valid = curves["pretrain"]
+    tail = pre_valid[1:]  # validation points after the first (still in the steep start)
     slope, r2 = fit_loglinear(tail)
+    train_slope, train_r2 = fit_loglinear(pre_train[len(pre_train) // 2:])
 
     common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
     plain = short_context_loss(common + ["--load", ck["pretrain"], "--use-checkpoint-args"], ck["pretrain"])
@@ -154,7 +142,7 @@ def main() -> int:
     mx = sum(math.log(x) for x in xs) / len(xs)
     my = sum(v for _, v in tail) / len(tail)
     ax.plot(xs, [my + slope * (math.log(x) - mx) for x in xs], "k--",
-            label=f"log-linear fit: {slope:.3f} nats per e-fold, R² {r2:.3f}")
+            label=f"log-linear fit to pretrain validation: {slope:.3f} nats per e-fold, R² {r2:.3f}")
     ax.set_xscale("log")
     ax.set_xlabel("tokens trained (all stages, cumulative)")
     ax.set_ylabel("lm loss (nats/token)")
@@ -163,7 +151,8 @@ def main() -> int:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(a.plot, dpi=120)
-    result = {"pretrain_loglinear_slope": slope, "pretrain_loglinear_r2": r2,
+    result = {"pretrain_validation_loglinear_slope": slope, "pretrain_validation_loglinear_r2": r2,
+              "pretrain_train_loss_second_half_slope": train_slope, "pretrain_train_loss_second_half_r2": train_r2,
               "pretrain_final_loss": pre_train[-1][1],
               "pretrain_final_validation": curves["pretrain"][1][-1][1] if curves["pretrain"][1] else None,
               "short_context_loss_plain_rope": plain, "short_context_loss_yarn_before_extension": yarn,

@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
-            batches: list | None = None):
+            batches: list | None = None, param_grads: bool = False):
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -49,6 +49,9 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
         data = iter(batches[iteration]) if batches else entry.train_data_iterator(args, iteration)
         r = train_step(entry.forward_step, data, model, optimizer, args, num_microbatches)
         results.append({"losses": r["losses"], "grad_norm": float(r["grad_norm"])})
+        if param_grads:  # rank 0's reduced gradient of each parameter (whole when nothing shards it)
+            results[-1]["param_grads"] = {name: float(p.main_grad.double().norm())
+                                          for name, p in model[0].named_parameters()}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -56,14 +59,16 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
 
 
 def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1,
-               batches: list | None = None) -> list[dict]:
+               batches: list | None = None, param_grads: bool = False) -> list[dict]:
     """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms.
 
     `batches[i]` (optional) lists the micro-batches of step i, given to every rank (layouts without data
-    parallelism); otherwise the entry script's mock data is used."""
+    parallelism); otherwise the entry script's mock data is used. `param_grads` adds rank 0's gradient norm of
+    every parameter per step."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads),
+                           nprocs=world,
                            join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)

@@ -103,9 +103,15 @@ def packed_batches():
     (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 ], ids=["cp2", "cp2_tp2"])
 def test_packed_documents_with_masks_match_one_rank(world, flags, packed_batches):
-    want = run_layout(BASE, world=1, batches=packed_batches)
-    got = run_layout(BASE + flags, world=world, batches=packed_batches)
+    cp_only = "--tensor-model-parallel-size" not in flags  # then every parameter is whole on rank 0
+    want = run_layout(BASE, world=1, batches=packed_batches, param_grads=cp_only)
+    got = run_layout(BASE + flags, world=world, batches=packed_batches, param_grads=cp_only)
     for step, (g, w) in enumerate(zip(got, want)):
         for name in ("lm loss", "mtp_1 distill loss", "mtp_1 top1 agreement", "seq_load_balancing_loss"):
             assert math.isclose(g["losses"][name], w["losses"][name], rel_tol=1e-5), (step, name, g, w)
         assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (step, g, w)
+        if cp_only:  # each parameter's gradient, not only the total norm
+            assert set(g["param_grads"]) == set(w["param_grads"])
+            floor = 1e-6 * w["grad_norm"]
+            for name, value in w["param_grads"].items():
+                assert math.isclose(g["param_grads"][name], value, rel_tol=1e-5, abs_tol=floor), (step, name)

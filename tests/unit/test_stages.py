@@ -9,9 +9,7 @@ import torch
 import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.training import stages
-from megatron_ext.training.checkpointing import load_weights, read_tracker
-from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import build_model
+from megatron_ext.training.checkpointing import read_tracker
 from tests.unit.data_fixtures import preprocessed, small_corpus, trained_tokenizer
 
 SHORT = 64
@@ -101,24 +99,6 @@ def test_sft_stage_trains_on_chats_from_the_previous_stage(tmp_path, pretrained)
     assert code == 0 and read_tracker(save) == 3
 
 
-def _short_context_loss(flags, path, batches):
-    args = parse_args(flags, world_size=1)
-    initialize_distributed(args)
-    try:
-        model = build_model(args, wrap_ddp=False)
-        load_weights(args, model, path, log=lambda *a: None)
-        model[0].eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for tokens, labels in batches:
-                position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
-                losses = model[0](tokens, position_ids, None, labels=labels)
-                total, count = total + float(losses.sum()), count + losses.numel()
-        return total / count
-    finally:
-        destroy()
-
-
 def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):
     """The pretrained weights under the extension's YaRN (factor 4, original 64), before any extension
     training, evaluated on 64-token windows of held-out code: close to the model as trained (measured on this
@@ -131,9 +111,9 @@ def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):
     windows = ids[: (len(ids) - 1) // (SHORT + 1) * (SHORT + 1)].view(-1, SHORT + 1)[:8]
     batches = [(windows[i:i + 4, :-1], windows[i:i + 4, 1:]) for i in range(0, len(windows), 4)]
     common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
-    before = _short_context_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
+    before = stages.window_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
                                  pretrained["save"], batches)
-    after = _short_context_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
+    after = stages.window_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
                                 pretrained["save"], batches)
     untrained = 6.93  # ln(1024): the loss of the untrained model
     with capsys.disabled():
