@@ -22,6 +22,7 @@ LAYOUTS = {
     "cp2": (2, ["--context-parallel-size", "2"]),
     "cp2_tp2": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "cp2_ep2": (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    "cp2_pp2": (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 RTOL = 1e-5
