@@ -50,11 +50,13 @@ def test_kill_dash_nine_then_resume_continues_exactly(tmp_path):
     save, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb_killed")
     flags = TINY + ["--lr-decay-style", "constant", "--save", save, "--save-interval", "2"]
     proc = subprocess.Popen([sys.executable, "-W", "ignore", "pretrain_composer.py", *flags, "--train-iters", "1000",
-                             "--tensorboard-dir", tb], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--tensorboard-dir", tb], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + 240
     while (read_tracker(save) or 0) < 2 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.kill()
+    # SIGKILL the whole process group, as a scheduler kills a job: checkpoint writer processes go too
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     start = read_tracker(save)
     assert start is not None and start >= 2
