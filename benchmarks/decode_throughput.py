@@ -3,11 +3,17 @@
 (a) Our latent-cache greedy decoding on the Megatron model ÷ `transformers` `generate` (KV cache on) on the same
     weights: a random DeepSeek-V3-shaped model is saved by transformers, imported with our converter, and both
     decode the same prompt for the same number of tokens (goal >= 2x).
-(b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate, on a tiny model whose MTP layer
-    has been trained (pretrain_composer.py on the mock arithmetic-progression data, MTP loss on) — a stand-in until
-    the stdlib-corpus self-distilled model exists (goals >= 1.8x and >= 0.85).
+(b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
+    With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
+    at line starts from a --prompts-from text/code file and tokenised with the checkpoint's tokenizer (or
+    --tokenizer-model). Without --load: a stand-in, the tiny preset trained here on the mock arithmetic-progression
+    data with the MTP loss on.
 
-    python benchmarks/decode_throughput.py [--tokens 64] [--repeats 3] [--train-iters 1000] [--hidden 512]
+Timings alternate between the two sides of each ratio (one run of each per repeat, after a warm-up) and report
+medians, so that load from other jobs on a shared machine hits both sides alike.
+
+    python benchmarks/decode_throughput.py [--only a|b] [--tokens 64] [--repeats 5] [--threads 2]
+    python benchmarks/decode_throughput.py --only b --load CKPT --prompts-from /usr/lib/python3.11/json/decoder.py
 """
 
 from __future__ import annotations
@@ -32,96 +38,218 @@ from megatron_ext.convert.streaming import import_hf  # noqa: E402
 from megatron_ext.data.mock import mock_sample  # noqa: E402
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams  # noqa: E402
 from megatron_ext.inference.speculative import SpeculationStats, generate_speculative  # noqa: E402
-from megatron_ext.training.checkpointing import load_weights  # noqa: E402
+from megatron_ext.training.checkpointing import checkpoint_dir, load_weights, read_tracker  # noqa: E402
 from megatron_ext.training.initialize import destroy, initialize_distributed  # noqa: E402
 from megatron_ext.training.step import build_model  # noqa: E402
 
+QUIET = dict(log=lambda *a, **k: None)
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+
+class OtherLoad:
+    """Share of the machine's CPUs used by other processes while a measurement ran (from /proc/stat minus this
+    process's own CPU time), so each figure says how busy the shared machine was."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal (guest time is within user)
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        own = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    def fraction(self) -> float:
+        (t0, busy0, own0), (t1, busy1, own1) = self.start, self._sample()
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
+
+
+def alternate(first, second, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of `first` and of `second`, run in turn `repeats` times after one warm-up each."""
+    first(), second()
+    a, b = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, times in ((first, a), (second, b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return a, b
 
 
-def versus_transformers(tokens: int, repeats: int, workdir: str, hidden: int, layers: int, experts: int):
+def ratio_summary(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(median of b/a over paired runs, min, max)."""
+    ratios = [y / x for x, y in zip(a, b)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def load_engine(load: str) -> tuple[InferenceEngine, argparse.Namespace]:
+    args = parse_args(["--mock-data", "--use-checkpoint-args", "--load", load], world_size=1)
+    initialize_distributed(args)
+    model = build_model(args, wrap_ddp=False)
+    load_weights(args, model, load, **QUIET)
+    return InferenceEngine(model[0]), args
+
+
+def versus_transformers(opts, workdir: str) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    heads = hidden // 32
+    hidden = opts.hidden
     cfg = DeepseekV3Config(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden,
-                           moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=heads,
-                           num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=experts,
-                           num_experts_per_tok=4, n_group=1, topk_group=1, kv_lora_rank=hidden // 4,
-                           q_lora_rank=hidden // 2, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                           first_k_dense_replace=1, max_position_embeddings=1024, num_mtp_layers=0)
+                           moe_intermediate_size=hidden // 2, num_hidden_layers=opts.layers,
+                           num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32, n_shared_experts=1,
+                           n_routed_experts=opts.experts, num_experts_per_tok=4, n_group=1, topk_group=1,
+                           kv_lora_rank=hidden // 4, q_lora_rank=hidden // 2, qk_rope_head_dim=16,
+                           qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+                           max_position_embeddings=max(1024, opts.prompt_length + opts.tokens),
+                           num_mtp_layers=0)
     hf = DeepseekV3ForCausalLM(cfg).eval()
     hf_dir, save = os.path.join(workdir, "hf"), os.path.join(workdir, "mg")
     hf.save_pretrained(hf_dir)
-    import_hf(hf_dir, save, log=lambda *a, **k: None)
+    import_hf(hf_dir, save, **QUIET)
     destroy()
-    args = parse_args(["--model", "tiny", "--mock-data", "--use-checkpoint-args", "--load", save], world_size=1)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False)
-    load_weights(args, model, save, log=lambda *a, **k: None)
-    engine = InferenceEngine(model[0])
-    prompt = torch.randint(0, 8192, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    params = SamplingParams(max_tokens=tokens, temperature=0.0)
-    ours = timed(lambda: engine.generate([prompt], params), repeats)
+    engine, _ = load_engine(save)
+    prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
     ids = torch.tensor([prompt])
-    theirs = timed(lambda: hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                       use_cache=True), repeats)
-    same = engine.generate([prompt], params)[0].token_ids == hf.generate(
-        ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)[0, len(prompt):].tolist()
+
+    def ours(tokens: int):
+        return engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0))[0].token_ids
+
+    def theirs(tokens: int):
+        return hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           use_cache=True)[0, len(prompt):].tolist()
+
+    n = opts.tokens
+    load = OtherLoad()
+    ours_s, theirs_s = alternate(lambda: ours(n), lambda: theirs(n), opts.repeats)
+    # the prompt's forward and the first token alone, to separate decoding from prefill
+    ours_1, theirs_1 = alternate(lambda: ours(1), lambda: theirs(1), opts.repeats)
+    busy = load.fraction()
+    same = ours(n) == theirs(n)
     destroy()
-    return tokens / ours, tokens / theirs, same
+    median, lo, hi = ratio_summary(ours_s, theirs_s)
+    med = statistics.median
+    ours_decode = (n - 1) / (med(ours_s) - med(ours_1))
+    theirs_decode = (n - 1) / (med(theirs_s) - med(theirs_1))
+    return (f"(a) greedy, hidden {hidden}, {opts.layers} layers, {opts.experts} experts top-4, batch 1, prompt "
+            f"{opts.prompt_length}, {n} new tokens, {opts.threads} threads: end to end ours {n / med(ours_s):.1f} "
+            f"tok/s, transformers generate {n / med(theirs_s):.1f} tok/s -> {median:.2f}x (paired runs "
+            f"{lo:.2f}-{hi:.2f}); decoding alone (minus the prompt's forward) ours {ours_decode:.1f}, transformers "
+            f"{theirs_decode:.1f} tok/s -> {ours_decode / theirs_decode:.2f}x (goal >= 2); prompt forward ours "
+            f"{med(ours_1) * 1e3:.0f} ms, transformers {med(theirs_1) * 1e3:.0f} ms; same tokens: {same}; other "
+            f"processes used {busy:.0%} of the CPUs meanwhile")
 
 
-def speculative(tokens: int, repeats: int, train_iters: int, workdir: str):
+def checkpoint_tokenizer(load: str, tokenizer_model, tokenizer_type):
+    """The tokenizer named on the command line, else the one the checkpoint's training run used."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    if tokenizer_model is None:
+        saved = dist_checkpointing.load_common_state_dict(checkpoint_dir(load, read_tracker(load)))["args"]
+        tokenizer_model, tokenizer_type = saved.get("tokenizer_model"), saved.get("tokenizer_type")
+        if not tokenizer_model or not os.path.exists(tokenizer_model):
+            raise SystemExit(f"--prompts-from needs the tokenizer {load} was trained with; it recorded "
+                             f"{tokenizer_model!r}: pass --tokenizer-model PATH")
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+def file_prompts(path: str, tokenizer, count: int, length: int, vocab_size: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, each starting at a line start, spread evenly over the file."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines(keepends=True)
+    starts = [i * max(len(lines) - 1, 1) // max(count, 1) for i in range(count)]
+    prompts = []
+    for start in starts:
+        ids = []
+        end = start
+        while len(ids) < length and end < len(lines):
+            end = min(len(lines), end + 50)
+            ids = tokenizer.encode("".join(lines[start:end]))
+        if len(ids) < length:
+            continue
+        if max(ids) >= vocab_size:
+            raise SystemExit(f"the tokenizer produced id {max(ids)}, outside the model's vocabulary ({vocab_size})")
+        prompts.append(ids[:length])
+    if not prompts:
+        raise SystemExit(f"{path} is too short for prompts of {length} tokens")
+    return prompts
+
+
+def trained_stand_in(opts, workdir: str) -> str:
     save = os.path.join(workdir, "trained")
-    assert entry.main(["--model", "tiny", "--mock-data", "--train-iters", str(train_iters), "--micro-batch-size", "8",
-                       "--global-batch-size", "16", "--lr", "1e-2", "--lr-warmup-iters", "10", "--min-lr", "1e-3",
-                       "--log-interval", str(train_iters), "--save", save]) == 0
-    args = parse_args(["--model", "tiny", "--mock-data", "--load", save], world_size=1)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False)
-    load_weights(args, model, save, log=lambda *a, **k: None)
-    engine = InferenceEngine(model[0])
-    prompts = [mock_sample(10_000_000 + i, 16, args.vocab_size, args.seed).tolist() for i in range(4)]
-    params = SamplingParams(max_tokens=tokens, temperature=0.0)
-    plain = timed(lambda: [engine.generate([p], params) for p in prompts], repeats)
-    stats = SpeculationStats()
-    spec = timed(lambda: [generate_speculative(engine, p, params, stats) for p in prompts], repeats)
-    lossless = all(generate_speculative(engine, p, params).token_ids == engine.generate([p], params)[0].token_ids
-                   for p in prompts)
+    assert entry.main(["--model", "tiny", "--mock-data", "--train-iters", str(opts.train_iters),
+                       "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-2", "--lr-warmup-iters",
+                       "10", "--min-lr", "1e-3", "--log-interval", str(opts.train_iters), "--save", save]) == 0
     destroy()
-    return plain / spec, stats, lossless
+    return save
 
 
-def main():
+def speculative(opts, workdir: str) -> str:
+    load = opts.load or trained_stand_in(opts, workdir)
+    engine, args = load_engine(load)
+    if opts.prompts_from:
+        tokenizer = checkpoint_tokenizer(load, opts.tokenizer_model, opts.tokenizer_type)
+        prompts = file_prompts(opts.prompts_from, tokenizer, opts.num_prompts, opts.prompt_length, engine.vocab_size)
+        source = f"{len(prompts)} prompts of {opts.prompt_length} tokens from {opts.prompts_from}"
+    else:
+        prompts = [mock_sample(10_000_000 + i, opts.prompt_length, args.vocab_size, args.seed).tolist()
+                   for i in range(opts.num_prompts)]
+        source = f"{len(prompts)} mock prompts of {opts.prompt_length} tokens"
+    params = SamplingParams(max_tokens=opts.tokens, temperature=0.0)
+    depth = opts.draft_depth
+    stats = SpeculationStats()
+    busy = OtherLoad()
+    plain_s, spec_s = alternate(lambda: [engine.generate([p], params) for p in prompts],
+                                lambda: [generate_speculative(engine, p, params, stats, depth) for p in prompts],
+                                opts.repeats)
+    busy = busy.fraction()
+    lossless = all(generate_speculative(engine, p, params, depth=depth).token_ids
+                   == engine.generate([p], params)[0].token_ids for p in prompts)
+    destroy()
+    median, lo, hi = ratio_summary(spec_s, plain_s)
+    tokens = opts.tokens * len(prompts)
+    by_depth = ", ".join(f"{a / max(c, 1):.3f}" for a, c in zip(stats.accepted_by_depth, stats.checked_by_depth))
+    model = f"{load}" if opts.load else f"tiny preset trained {opts.train_iters} iterations on mock data here"
+    return (f"(b) MTP speculative vs plain greedy ({model}; {source}; {opts.tokens} new tokens each; "
+            f"{len(engine.mtp_layers)} MTP layer(s), drafting {depth or len(engine.mtp_layers)}; {opts.threads} "
+            f"threads): plain {tokens / statistics.median(plain_s):.1f} tok/s, speculative "
+            f"{tokens / statistics.median(spec_s):.1f} tok/s -> {median:.2f}x (paired runs {lo:.2f}-{hi:.2f}; goal "
+            f">= 1.8), acceptance {stats.acceptance_rate:.3f} (by draft position: {by_depth}; goal >= 0.85), "
+            f"{stats.tokens_per_forward:.2f} tokens per main forward, lossless: {lossless}; other processes used "
+            f"{busy:.0%} of the CPUs meanwhile")
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--train-iters", type=int, default=1000)
-    p.add_argument("--hidden", type=int, default=512, help="(a): model width")
-    p.add_argument("--layers", type=int, default=6, help="(a): decoder layers")
-    p.add_argument("--experts", type=int, default=32, help="(a): routed experts")
-    opts = p.parse_args()
-    torch.set_num_threads(2)
+    p.add_argument("--only", choices=["a", "b"], default=None, help="run one of the two measurements")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each side after a warm-up")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--prompt-length", type=int, default=32, help="tokens per prompt")
+    g = p.add_argument_group("(a) against transformers")
+    g.add_argument("--hidden", type=int, default=512, help="model width")
+    g.add_argument("--layers", type=int, default=6, help="decoder layers")
+    g.add_argument("--experts", type=int, default=32, help="routed experts")
+    g = p.add_argument_group("(b) speculative decoding")
+    g.add_argument("--load", default=None, help="checkpoint directory saved by pretrain_composer.py (with MTP "
+                                                "layers); default: train a stand-in here")
+    g.add_argument("--prompts-from", default=None, help="text or code file to cut prompts from (needs a tokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer for --prompts-from (default: the checkpoint's)")
+    g.add_argument("--tokenizer-type", default=None, help="its format (default: inferred)")
+    g.add_argument("--num-prompts", type=int, default=4, help="prompts per timed run")
+    g.add_argument("--draft-depth", type=int, default=None, help="MTP layers drafting (default: all)")
+    g.add_argument("--train-iters", type=int, default=1000, help="training of the stand-in model")
+    opts = p.parse_args(argv)
+    torch.set_num_threads(opts.threads)
     workdir = tempfile.mkdtemp(prefix="decode_bench_")
     try:
-        ours, theirs, same = versus_transformers(opts.tokens, opts.repeats, workdir, opts.hidden, opts.layers,
-                                                 opts.experts)
-        print(f"(a) greedy decode, hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4, batch 1, "
-              f"prompt 32, {opts.tokens} new tokens: ours {ours:.1f} tok/s, "
-              f"transformers generate {theirs:.1f} tok/s -> {ours / theirs:.2f}x (goal >= 2); same tokens: {same}")
-        speedup, stats, lossless = speculative(opts.tokens, opts.repeats, opts.train_iters, workdir)
-        print(f"(b) MTP speculative vs plain, greedy: {speedup:.2f}x (goal >= 1.8), acceptance "
-              f"{stats.acceptance_rate:.3f} (goal >= 0.85), {stats.tokens_per_forward:.2f} tokens per main forward, "
-              f"lossless: {lossless}")
+        if opts.only in (None, "a"):
+            print(versus_transformers(opts, workdir), flush=True)
+        if opts.only in (None, "b"):
+            print(speculative(opts, workdir), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -1,10 +1,25 @@
 """KV-cache generation on the Megatron GPTModel being trained.
 
-The engine runs the model's own modules (embedding, norms, MLA projections, MoE layers, output layer) in a
+The engine runs the model's own weights (embedding, norms, MLA projections, router, experts, output layer) in a
 decoding loop of its own, because Megatron-Core 0.16.1's static-batch cache stores MLA's full per-head keys and
 values. Here each MLA layer caches what DeepSeek-V3 caches: the normalised KV latent (kv_lora_rank) and the
-rotated shared rope key (qk_pos_emb_head_dim) per token, about 1/40 of full K/V for K2.5; keys and values are
-up-projected from the latents at each step. Prompts of different lengths share a batch (right-padded, masked).
+rotated shared rope key (qk_pos_emb_head_dim) per token, about 1/40 of full K/V for K2.5. Prompts of different
+lengths share a batch (right-padded, masked).
+
+Attention over the cache takes one of two equivalent forms. Expanded: up-project every cached latent to per-head
+keys and values, then attend (cost grows with the cache length times kv_lora_rank x heads x head dims; cheapest
+when many new tokens share that up-projection, as in a long prefill). Absorbed: fold the key up-projection into
+the query (q_nope . W_uk is a query in latent space) and the value up-projection after the attention, so the
+scores are one matmul of [latent query | rope query] against the cached [latent | rope key] rows, like
+multi-query attention with a single (kv_lora_rank + rope)-wide head; nothing per cached token is up-projected,
+which is what makes a decode step cheap.
+
+Tensor and expert parallelism: every rank of the tensor- and expert-parallel groups runs the same request on
+its own shard. Column-parallel weights give this rank's heads / MLP columns / vocabulary slice, row-parallel
+outputs and routed-expert partial sums are all-reduced, embeddings and logits are gathered over the vocabulary,
+so all ranks hold identical hidden states and logits and draw identical tokens. The model's modules are not
+called in the hot loop (their sequence-parallel and autograd wrappers would scatter a one-token step over the
+ranks and cost more than the arithmetic); their weights are used directly.
 
 Log-probabilities are those of the model's unmodified distribution (temperature 1, no top-k/top-p), which is what
 a teacher-forced forward of the trainer computes for the same ids; sampling itself uses the requested
@@ -18,11 +33,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core import parallel_state
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron_ext import platform
+from megatron_ext.models.norm import RMSNorm
+
+# Up to this many tokens per MoE call (decode, speculative verify), experts run token by token: regrouping tokens
+# by expert costs a dozen extra small ops, more than it saves when experts are rarely shared.
+_FEW_TOKENS = 4
 
 
 @dataclass
@@ -61,41 +82,112 @@ class Completion:
 
 
 class LatentCache:
-    """Per-layer MLA latents and rope keys for a batch: [batch, max_len, kv_lora_rank] and [..., rope_dim]."""
+    """Per-layer MLA cache for a batch: the latent and the rotated rope key of each token side by side,
+    [batch, max_len, kv_lora_rank + rope_dim], so that absorbed attention scores both with one matmul."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
                  dtype: torch.dtype, device):
-        self.latent = [torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.rope_key = [torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
+        self.kv = [torch.zeros(batch, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+                   for _ in range(num_layers)]
+        self.kv_lora_rank, self.max_len = kv_lora_rank, max_len
+
+    @property
+    def latent(self) -> list[torch.Tensor]:
+        return [t[..., : self.kv_lora_rank] for t in self.kv]
+
+    @property
+    def rope_key(self) -> list[torch.Tensor]:
+        return [t[..., self.kv_lora_rank:] for t in self.kv]
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.latent + self.rope_key)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
 
-def _linear(module, x: torch.Tensor) -> torch.Tensor:
-    """A (one-rank) Megatron linear layer as a plain matmul: the same weights without the autograd and
-    communication wrappers, which dominate a decode step's cost at small sizes."""
-    y = F.linear(x, module.weight)
-    bias = getattr(module, "bias", None)
-    return y if bias is None or getattr(module, "skip_bias_add", False) else y + bias
+class _Groups:
+    """The process groups one generation step communicates over (None where a group has a single rank)."""
+
+    def __init__(self):
+        def group(size_fn, group_fn):
+            return group_fn() if parallel_state.model_parallel_is_initialized() and size_fn() > 1 else None
+
+        ps = parallel_state
+        self.tp = group(ps.get_tensor_model_parallel_world_size, ps.get_tensor_model_parallel_group)
+        self.tp_size = dist.get_world_size(self.tp) if self.tp is not None else 1
+        # routed experts are split over expert-tensor x expert-model parallel ranks; each computes a partial sum
+        self.experts = group(ps.get_expert_tensor_and_model_parallel_world_size,
+                             ps.get_expert_tensor_and_model_parallel_group)
+        self.ep = group(ps.get_expert_model_parallel_world_size, ps.get_expert_model_parallel_group)
+        ranks = [dist.get_process_group_ranks(g) if g is not None else None for g in (self.tp, self.experts)]
+        # when routed experts are sharded over exactly the tensor-parallel ranks, one all-reduce serves both
+        self.experts_are_tp = ranks[0] == ranks[1]
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather_last_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(module, RMSNorm):  # the same arithmetic as RMSNorm.forward in one fused call
+        return F.rms_norm(x, (x.size(-1),), module.weight, module.eps)
+    return module(x)
 
 
 def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    gate, up = _linear(mlp.linear_fc1, x).chunk(2, dim=-1)
-    return _linear(mlp.linear_fc2, F.silu(gate) * up)
+    """SwiGLU on this rank's columns: fc1 holds [gate | up] of this rank's slice, the result is a partial sum
+    over tensor-parallel ranks (exact when the MLP is not sharded)."""
+    gate, up = F.linear(x, mlp.linear_fc1.weight).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, mlp.linear_fc2.weight)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's MLA rope (interleaved pairs regrouped into halves, then rotate-half), written with the
+    half-width cos/sin tables so it is a few ops instead of a dozen."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward shares: where the new tokens go and what they may attend to."""
+    positions: torch.Tensor  # [b, s]
+    lengths: torch.Tensor  # [b] cached tokens before this step
+    total: int  # cache rows attended to
+    start: Optional[int]  # batch of one: the new rows are [start, start + s)
+    mask: Optional[torch.Tensor]  # [b, 1, s, total] visible keys; None when all are
+    absorbed: bool
+    rope: dict = field(default_factory=dict)
 
 
 class InferenceEngine:
-    """Generation with a latent KV cache for a single-stage GPTModel (one rank holding the whole model)."""
+    """Generation with a latent KV cache on a single-stage GPTModel; with TP/EP > 1, every rank of the tensor-
+    and expert-parallel groups calls the same methods with the same arguments."""
 
     def __init__(self, model: torch.nn.Module, detokenize: Optional[Callable[[list[int]], str]] = None):
         model = getattr(model, "module", model)
-        if not (model.pre_process and model.post_process):
-            raise ValueError("the inference engine needs the whole model on one rank (pipeline parallel size 1)")
         cfg = model.config
-        if cfg.tensor_model_parallel_size > 1 or cfg.expert_model_parallel_size > 1:
-            raise ValueError("the inference engine runs the model on one rank (TP = EP = 1 for now)")
+        if not (model.pre_process and model.post_process):
+            raise ValueError(f"the inference engine needs every layer on each rank: --pipeline-model-parallel-size "
+                             f"{cfg.pipeline_model_parallel_size} is not supported for generation (use 1; tensor "
+                             "and expert parallelism are)")
+        if cfg.context_parallel_size > 1:
+            raise ValueError("the inference engine does not support --context-parallel-size > 1")
+        if cfg.add_bias_linear:
+            raise ValueError("the inference engine supports MLA/MoE models without linear biases")
+        if cfg.rotary_interleaved:
+            raise ValueError("the inference engine supports MLA with non-interleaved rotary embeddings")
+        if cfg.moe_expert_capacity_factor is not None:
+            raise ValueError("the inference engine routes every token to its experts: it does not support "
+                             "moe_expert_capacity_factor (token dropping)")
         self.model, self.config, self.detokenize = model, cfg, detokenize
         self.vocab_size = model.vocab_size
         self.layers = list(model.decoder.layers)
@@ -104,132 +196,299 @@ class InferenceEngine:
                 raise ValueError("the inference engine supports MLA layers")
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):
             raise ValueError("the inference engine supports SwiGLU MLPs (gated_linear_unit with silu)")
-        self._rope = {}
+        self.groups = _Groups()
+        self.heads = self.layers[0].self_attention.num_attention_heads_per_partition
+        self.mtp_layers = list(model.mtp.layers) if getattr(model, "mtp", None) is not None else []
+        r, dn, dv = cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
+        # Absorbed attention costs ~(2r + rope) per head, new token and cached token; expanded costs r(dn + dv)
+        # per head and cached token for the up-projection plus (dn + rope + dv) per new and cached token. For
+        # s new tokens absorbed wins while s (2r - dn - dv) < r (dn + dv).
+        self.absorb_max_tokens = (r * (dn + dv)) // (2 * r - dn - dv) if 2 * r > dn + dv else 1 << 30
+        self._rope_tables, self._fast_router = {}, {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embedding.word_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embedding.word_embeddings.weight.dtype
+
+    def new_cache(self, num_layers: int, batch: int, max_len: int) -> LatentCache:
+        cfg = self.config
+        return LatentCache(num_layers, batch, max_len, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, self.dtype,
+                           self.device)
 
     # ---------------------------------------------------------------------------------------------------
-    # forward with the cache
+    # one forward step over new tokens, with the cache
     # ---------------------------------------------------------------------------------------------------
+
+    def _step(self, positions: torch.Tensor, lengths: torch.Tensor, cache: LatentCache) -> _Step:
+        b, s = positions.shape
+        if b == 1:
+            start = int(lengths[0])
+            total = start + s
+        else:
+            start, total = None, int((lengths + s).max())
+        if total > cache.max_len:
+            raise ValueError(f"the cache holds {cache.max_len} tokens, this step needs {total}")
+        mask = None
+        if b > 1 or s > 1:  # a batch of one decoding one token sees every cached row
+            mask = (torch.arange(total, device=positions.device).view(1, 1, total) <= positions.unsqueeze(-1))
+            mask = mask.unsqueeze(1)
+        return _Step(positions, lengths, total, start, mask, absorbed=s <= self.absorb_max_tokens)
+
+    def _rope_for(self, attn: MLASelfAttention, step: _Step, length: int):
+        """(cos, sin) at the step's positions, [s, b, 1, rope_dim / 2], mscale folded in as Megatron-Core does.
+        Layers whose rotary tables are equal share one gather per step."""
+        table = self._rope_tables.get(id(attn.rotary_pos_emb))
+        if table is None or table[0].size(0) < length:
+            table = self._rope_table(attn, max(length, 2 * (table[0].size(0) if table else 0)))
+            table = next((t for t in self._rope_tables.values() if t[0].shape == table[0].shape
+                          and torch.equal(t[0], table[0]) and torch.equal(t[1], table[1])), table)
+            self._rope_tables[id(attn.rotary_pos_emb)] = table
+        key = id(table[0])
+        if key not in step.rope:
+            index = step.positions.t()
+            step.rope[key] = (table[0][index].unsqueeze(2), table[1][index].unsqueeze(2))
+        return step.rope[key]
 
     def _rope_table(self, attn: MLASelfAttention, length: int):
-        key = (id(attn.rotary_pos_emb), length)
-        if key not in self._rope:
-            out = attn.rotary_pos_emb(length)
-            self._rope[key] = out if isinstance(out, tuple) else (out, 1.0)
-        return self._rope[key]
+        out = attn.rotary_pos_emb(length)
+        emb, mscale = out if isinstance(out, tuple) else (out, 1.0)
+        emb = emb.reshape(length, -1)
+        half = emb.size(-1) // 2
+        if not torch.equal(emb[:, :half], emb[:, half:]):
+            raise ValueError("the inference engine expects rotary frequencies repeated over both halves")
+        cos = (torch.cos(emb[:, :half]) * mscale).to(self.dtype)
+        sin = (torch.sin(emb[:, :half]) * mscale).to(self.dtype)
+        return cos, sin
 
-    def _attention(self, attn: MLASelfAttention, h, positions, cache: LatentCache, layer: int, lengths):
-        """MLA over [s, b, hidden] new tokens at `positions` [b, s]; appends their latents at `lengths` [b]."""
+    def _attention(self, attn: MLASelfAttention, h: torch.Tensor, step: _Step, cache_kv: torch.Tensor):
+        """MLA over new tokens h [s, b, hidden]: appends their latents and rope keys to `cache_kv`
+        [b, max_len, r + rope] and returns this rank's partial output projection [s, b, hidden]."""
         cfg = self.config
         s, b, _ = h.shape
-        n, dn, dr, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        n, dn, dr, r = self.heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is not None:
-            q = _linear(attn.linear_q_up_proj, attn.q_layernorm(_linear(attn.linear_q_down_proj, h)))
+            q = F.linear(_norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight)),
+                        attn.linear_q_up_proj.weight)
         else:
-            q = _linear(attn.linear_q_proj, h)
+            q = F.linear(h, attn.linear_q_proj.weight)
         q = q.view(s, b, n, dn + dr)
-        q_nope, q_pe = torch.split(q, [dn, dr], dim=-1)
-        kv = _linear(attn.linear_kv_down_proj, h)
-        latent, k_pe = torch.split(kv, [cfg.kv_lora_rank, dr], dim=-1)
-        latent = attn.kv_layernorm(latent)
-        table, mscale = self._rope_table(attn, cache.max_len)
-        freqs = table[positions.t()].squeeze(2)  # [s, b, 1, dr]: each sample at its own positions
-        q_pe = apply_rotary_pos_emb(q_pe, freqs, config=cfg, mscale=mscale)
-        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), freqs, config=cfg, mscale=mscale).squeeze(2)
-        rows = torch.arange(b).unsqueeze(1)
-        slots = lengths.unsqueeze(1) + torch.arange(s).unsqueeze(0)  # [b, s]
-        cache.latent[layer][rows, slots] = latent.transpose(0, 1)
-        cache.rope_key[layer][rows, slots] = k_pe.transpose(0, 1)
-        total = int((lengths + s).max())
-        kv_up = _linear(attn.linear_kv_up_proj, cache.latent[layer][:, :total].transpose(0, 1))  # [t, b, n*(dn+dv)]
-        kv_up = kv_up.view(total, b, n, dn + dv)
-        k_nope, v = torch.split(kv_up, [dn, dv], dim=-1)
-        k_rope = cache.rope_key[layer][:, :total].transpose(0, 1).unsqueeze(2).expand(-1, -1, n, -1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        key_pos = torch.arange(total).view(1, 1, total)
-        mask = key_pos <= positions.unsqueeze(-1)  # [b, s, t]: causal at each sample's own positions
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                             attn_mask=mask.unsqueeze(1), scale=attn.softmax_scale)
-        return _linear(attn.linear_proj, out.permute(2, 0, 1, 3).reshape(s, b, n * dv))
+        kv = F.linear(h, attn.linear_kv_down_proj.weight)  # [s, b, r + dr]
+        latent = _norm(attn.kv_layernorm, kv[..., :r])
+        cos, sin = self._rope_for(attn, step, cache_kv.size(1))
+        pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), cos, sin)  # [s, b, n + 1, dr]
+        new = torch.cat((latent, pe[:, :, n]), dim=-1).transpose(0, 1)  # [b, s, r + dr]
+        if step.start is not None:
+            cache_kv[0, step.start: step.start + s] = new[0]
+        else:
+            slots = step.lengths.unsqueeze(1) + torch.arange(s, device=h.device).unsqueeze(0)
+            cache_kv[torch.arange(b, device=h.device).unsqueeze(1), slots] = new
+        cached = cache_kv[:, : step.total]  # [b, t, r + dr]
+        w_kv_up = attn.linear_kv_up_proj.weight.view(n, dn + cfg.v_head_dim, r)
+        if step.absorbed:
+            out = self._absorbed(q[..., :dn], pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
+        else:
+            out = self._expanded(q[..., :dn], pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
+        return F.linear(out, attn.linear_proj.weight)
 
-    @staticmethod
-    def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
-        """Dense MLP as is; MoE computed directly on the tokens each expert received (no dispatcher, no
-        idle experts), with Megatron-Core's router and expert modules: y = sum_e p_e * expert_e(x) + shared(x)."""
+    def _absorbed(self, q_nope, q_pe, cached, w_kv_up, step: _Step, scale: float):
+        """Attention in latent space: scores = [q_nope W_uk | q_pe] . [latent | rope key], output = (softmax .
+        latent) W_uv; [s, b, n * dv]."""
+        s, b, n, dn = q_nope.shape
+        r, t = self.config.kv_lora_rank, cached.size(1)
+        heads_first = (2, 1, 0, 3)  # [s, b, n, d] -> [n, b, s, d]: one matmul per head over every new token
+        q_latent = torch.bmm(q_nope.permute(heads_first).reshape(n, b * s, dn), w_kv_up[:, :dn])  # [n, b*s, r]
+        query = torch.cat((q_latent, q_pe.permute(heads_first).reshape(n, b * s, -1)), dim=-1)
+        query = query.view(n, b, s, -1).transpose(0, 1).reshape(b, n * s, -1)
+        scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
+        if step.mask is not None:
+            scores = scores.view(b, n, s, t).masked_fill_(~step.mask, -math.inf).view(b, n * s, t)
+        out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n*s, r]
+        out_latent = out_latent.view(b, n, s, r).transpose(0, 1).reshape(n, b * s, r)
+        out = torch.bmm(out_latent, w_kv_up[:, dn:].transpose(1, 2))  # [n, b*s, dv]
+        return out.view(n, b, s, -1).permute(heads_first).reshape(s, b, -1)
+
+    def _expanded(self, q_nope, q_pe, cached, w_kv_up, step: _Step, scale: float):
+        """Per-head keys and values up-projected from every cached latent, then SDPA; [s, b, n * dv]."""
+        s, b, n, dn = q_nope.shape
+        r, t = self.config.kv_lora_rank, cached.size(1)
+        kv_up = torch.matmul(cached[..., :r], w_kv_up.view(-1, r).t()).view(b, t, n, -1)
+        k_nope, v = kv_up[..., :dn], kv_up[..., dn:]
+        k = torch.cat((k_nope, cached[..., r:].unsqueeze(2).expand(-1, -1, n, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=step.mask, scale=scale)  # [b, n, s, dv]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _mlp(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
         router = getattr(mlp, "router", None)
         if router is None:
-            return _gated_mlp(mlp, h)
-        flat = h.reshape(-1, h.size(-1))
-        probs, routing_map = router(h)
-        out = torch.zeros_like(flat)
-        for e in routing_map.any(0).nonzero().flatten().tolist():
-            rows = routing_map[:, e].nonzero().flatten()
-            y = _gated_mlp(mlp.experts.local_experts[e], flat[rows])
-            out.index_add_(0, rows, y * probs[rows, e].unsqueeze(-1).to(y.dtype))
-        if mlp.shared_experts is not None:
-            if getattr(mlp.shared_experts, "use_shared_expert_gate", False):
-                out = out + mlp.shared_experts(flat)
-            else:
-                out = out + _gated_mlp(mlp.shared_experts, flat)
-        return out.view_as(h)
+            return _all_reduce(_gated_mlp(mlp, h), self.groups.tp)
+        return self._moe(mlp, h, routing)
 
-    @torch.no_grad()
+    def _route(self, router, flat: torch.Tensor, routing: Optional[list]):
+        """(experts [T, k], weights [T, k]) as Megatron-Core's top-k router chooses them for `flat` [T, h]. The
+        common case (sigmoid scores, optional expert bias, no groups, replay, capacity or jitter) is computed here
+        in a few ops; anything else goes through the router module itself."""
+        cfg = self.config
+        fast = self._fast_router.get(id(router))
+        if fast is None:
+            fast = (router.score_function == "sigmoid" and router.routing_type != "sinkhorn"
+                    and router.router_replay is None and router.bias is None
+                    and cfg.moe_input_jitter_eps is None
+                    and not cfg.moe_router_force_load_balancing and not cfg.moe_router_fusion
+                    and not (cfg.moe_router_group_topk and (cfg.moe_router_num_groups or 1) > 1))
+            self._fast_router[id(router)] = fast
+        if fast:
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, flat.dtype)
+            scores = torch.sigmoid(F.linear(flat.to(dtype), router.weight.to(dtype)).float()).to(dtype)
+            bias = router.expert_bias
+            chosen = torch.topk(scores + bias if bias is not None else scores, router.topk, dim=1).indices
+            weights = scores.gather(1, chosen)
+            if router.topk > 1:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if cfg.moe_router_topk_scaling_factor:
+                weights = weights * cfg.moe_router_topk_scaling_factor
+        else:  # without capacity dropping (refused) every token has exactly top-k experts
+            probs, routing_map = router(flat.unsqueeze(1))
+            chosen = routing_map.nonzero()[:, 1].view(flat.size(0), -1)
+            weights = probs.gather(1, chosen)
+        if routing is not None:
+            rows = torch.arange(flat.size(0), device=flat.device).repeat_interleave(chosen.size(1))
+            routing.append(torch.stack((rows, chosen.sort(dim=1).values.flatten()), dim=1))
+        return chosen, weights.to(flat.dtype)
+
+    def _moe(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
+        """y = sum_e p_e * expert_e(x) + shared(x), computed directly on the tokens each of this rank's experts
+        received (no dispatcher, no idle experts); other ranks' experts arrive in the all-reduce."""
+        flat = h.reshape(-1, h.size(-1))
+        chosen, weights = self._route(mlp.router, flat, routing)
+        experts = mlp.experts.local_experts
+        first = mlp.local_expert_indices[0]
+        if flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
+            per_token = []
+            for t, (token_experts, token_weights) in enumerate(zip(chosen.tolist(), weights.tolist())):
+                x, y_t = flat[t: t + 1], None
+                for e, w in zip(token_experts, token_weights):
+                    if first <= e < first + len(experts):
+                        y = _gated_mlp(experts[e - first], x)
+                        y_t = y * w if y_t is None else torch.add(y_t, y, alpha=w)
+                per_token.append(torch.zeros_like(x) if y_t is None else y_t)
+            out = per_token[0] if len(per_token) == 1 else torch.cat(per_token)
+        else:  # prefill: each expert once over all its tokens
+            expert_ids, order = torch.sort(chosen.flatten(), stable=True)
+            rows, w = order // chosen.size(1), weights.flatten()[order].unsqueeze(-1)
+            counts = torch.bincount(expert_ids, minlength=first + len(experts)).tolist()
+            x = flat.index_select(0, rows)
+            ys, keep, offset = [], [], 0
+            for e, count in enumerate(counts):
+                if count and first <= e < first + len(experts):
+                    ys.append(_gated_mlp(experts[e - first], x[offset: offset + count]) * w[offset: offset + count])
+                    keep.append(rows[offset: offset + count])
+                offset += count
+            out = torch.zeros_like(flat)
+            if ys:  # a serial accumulation: index_add_ opens a parallel region, costly on a busy CPU
+                out.index_put_((torch.cat(keep),), torch.cat(ys), accumulate=True)
+        shared = getattr(mlp, "shared_experts", None)
+        if shared is None:
+            return _all_reduce(out, self.groups.experts).view_as(h)
+        y = _gated_mlp(shared, flat)
+        if getattr(shared, "use_shared_expert_gate", False):
+            y = y * torch.sigmoid(F.linear(flat, shared.gate_weight))
+        if self.groups.experts_are_tp:
+            return _all_reduce(out + y, self.groups.tp).view_as(h)
+        return (_all_reduce(out, self.groups.experts) + _all_reduce(y, self.groups.tp)).view_as(h)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s] ids -> [s, b, hidden]; with TP each rank looks up its vocabulary slice and the rest is summed."""
+        emb = self.model.embedding.word_embeddings
+        ids = tokens.t()
+        if self.groups.tp is None:
+            return F.embedding(ids, emb.weight)
+        local = ids - emb.vocab_start_index
+        outside = (local < 0) | (local >= emb.weight.size(0))
+        x = F.embedding(local.masked_fill(outside, 0), emb.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return _all_reduce(x, self.groups.tp)
+
+    def _layer(self, layer, x: torch.Tensor, step: _Step, cache_kv: torch.Tensor, routing) -> torch.Tensor:
+        attn = layer.self_attention
+        x = x + _all_reduce(self._attention(attn, _norm(layer.input_layernorm, x), step, cache_kv), self.groups.tp)
+        return x + self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, x), routing)
+
+    @torch.inference_mode()
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
+               routing: Optional[list] = None) -> torch.Tensor:
+        """Final-normed hidden states [s, b, h] of `tokens` [b, s] at `positions` [b, s], placed after each
+        sample's `lengths` [b] cached tokens (their latents are appended). `routing`, when a list, receives the
+        (token, expert) pairs of every MoE layer."""
+        with platform.without_device_mapping():
+            step = self._step(positions, lengths, cache)
+            x = self._embed(tokens)
+            for i, layer in enumerate(self.layers):
+                x = self._layer(layer, x, step, cache.kv[i], routing)
+            return _norm(self.model.decoder.final_layernorm, x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> [b, s, padded vocab] in fp32, gathered over the tensor-parallel vocabulary slices."""
+        model = self.model
+        weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                  else model.output_layer.weight)
+        with platform.without_device_mapping():
+            logits = _gather_last_dim(F.linear(hidden, weight), self.groups.tp, self.groups.tp_size)
+            return logits.transpose(0, 1).float()
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
                 routing: Optional[list] = None) -> torch.Tensor:
         """Logits [b, s, vocab] for `tokens` [b, s] placed after each sample's `lengths` cached tokens."""
-        return self.forward_with_hidden(tokens, positions, cache, lengths, routing)[0]
+        return self.logits(self.hidden(tokens, positions, cache, lengths, routing))
 
-    @torch.no_grad()
     def forward_with_hidden(self, tokens, positions, cache: LatentCache, lengths, routing=None):
         """(logits [b, s, vocab], final-normed hidden states [s, b, h]): the hidden states feed the MTP layers."""
-        model = self.model
-        x = model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
-        hooks = []
-        if routing is not None:
-            for layer in self.layers:
-                router = getattr(layer.mlp, "router", None)
-                if router is not None:
-                    hooks.append(router.register_forward_hook(
-                        lambda mod, inp, out: routing.append(out[1].nonzero())))
-        try:
-            with platform.without_device_mapping():
-                for i, layer in enumerate(self.layers):
-                    x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, i,
-                                            lengths)
-                    x = x + self._mlp(layer.mlp, layer.pre_mlp_layernorm(x))
-        finally:
-            for hook in hooks:
-                hook.remove()
-        x = model.decoder.final_layernorm(x)
-        return self._logits(x), x
+        hidden = self.hidden(tokens, positions, cache, lengths, routing)
+        return self.logits(hidden), hidden
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        logits, _ = model.output_layer(x, weight=model.shared_embedding_or_output_weight()
-                                       if model.share_embeddings_and_output_weights else None)
-        return logits.transpose(0, 1).float()
-
-    @torch.no_grad()
-    def mtp_forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                    cache: LatentCache, lengths: torch.Tensor) -> torch.Tensor:
-        """MTP layer 1 as Megatron-Core computes it: at position t it combines the main model's hidden state
-        h_t with the embedding of token t+1 and predicts token t+2. Its attention has a latent cache of its own.
-        Returns logits [b, s, vocab]."""
-        model = self.model
-        mtp = model.mtp.layers[0]
-        e = model.embedding(input_ids=next_tokens, position_ids=positions)
-        x = _linear(mtp.eh_proj, torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), -1))
-        layer = mtp.transformer_layer
+    @torch.inference_mode()
+    def mtp_hidden(self, depth: int, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                   cache: LatentCache, lengths: torch.Tensor, cache_layer: Optional[int] = None) -> torch.Tensor:
+        """MTP layer `depth` as Megatron-Core computes it: at position t it combines the previous depth's hidden
+        state (the main model's for depth 0) with the embedding of token t + depth + 1 and predicts token
+        t + depth + 2. Its attention has a latent cache of its own (`cache` layer `cache_layer`, default
+        `depth`). Returns its final-normed output [s, b, h], the next depth's input."""
+        mtp = self.mtp_layers[depth]
         with platform.without_device_mapping():
-            x = x + self._attention(layer.self_attention, layer.input_layernorm(x), positions, cache, 0, lengths)
-            x = x + self._mlp(layer.mlp, layer.pre_mlp_layernorm(x))
-        return self._logits(mtp.final_layernorm(x))
+            step = self._step(positions, lengths, cache)
+            e = _norm(mtp.enorm, self._embed(next_tokens))
+            x = F.linear(torch.cat((e, _norm(mtp.hnorm, hidden)), -1), mtp.eh_proj.weight)
+            x = _gather_last_dim(x, self.groups.tp, self.groups.tp_size)
+            x = self._layer(mtp.transformer_layer, x, step, cache.kv[depth if cache_layer is None else cache_layer],
+                            None)
+            return _norm(mtp.final_layernorm, x)
+
+    def mtp_forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: LatentCache, lengths: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Logits [b, s, vocab] of MTP layer `depth` (see mtp_hidden)."""
+        return self.logits(self.mtp_hidden(depth, hidden, next_tokens, positions, cache, lengths))
 
     # ---------------------------------------------------------------------------------------------------
     # generation
     # ---------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    def agreed_seed(self, seed: Optional[int]) -> Optional[int]:
+        """A request without a seed draws one; ranks that cooperate on a request must draw the same tokens, so
+        they agree on it (the largest drawn, over the tensor- then the expert-parallel group)."""
+        if seed is not None or (self.groups.tp is None and self.groups.ep is None):
+            return seed
+        value = torch.randint(0, 2 ** 62, (1,), dtype=torch.long)
+        for group in (self.groups.tp, self.groups.ep):
+            if group is not None:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return int(value)
+
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -240,7 +499,8 @@ class InferenceEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompts, params)
+            with platform.without_device_mapping():
+                return self._generate(prompts, params)
         finally:
             self.model.train(was_training)
 
@@ -250,11 +510,9 @@ class InferenceEngine:
         max_len = int(lens.max()) + params.max_tokens
         if max_len > self.model.max_sequence_length:
             raise ValueError(f"prompt + max_tokens = {max_len} exceeds the model's {self.model.max_sequence_length}")
-        dtype = self.model.embedding.word_embeddings.weight.dtype
-        cache = LatentCache(len(self.layers), b, max_len, self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim,
-                            dtype, torch.device("cpu"))
-        generators = [torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
-                      for i in range(b)]
+        cache = self.new_cache(len(self.layers), b, max_len)
+        seed = self.agreed_seed(params.seed)
+        generators = [torch.Generator().manual_seed(seed + i) if seed is not None else None for i in range(b)]
         out = [Completion(prompt_ids=list(p), routing=[] if params.return_routing else None) for p in prompts]
 
         # prefill: right-padded prompts; pad positions write latents past each prompt that decoding overwrites
@@ -263,9 +521,8 @@ class InferenceEngine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(width).unsqueeze(0).expand(b, -1).contiguous()
-        routing = [] if params.return_routing else None
-        logits = self.forward(tokens, positions, cache, torch.zeros(b, dtype=torch.long), routing)
-        last = logits[torch.arange(b), lens - 1]  # [b, vocab]
+        hidden = self.hidden(tokens, positions, cache, torch.zeros(b, dtype=torch.long))
+        last = self.logits(hidden[lens - 1, torch.arange(b)].unsqueeze(0))[:, 0]  # [b, vocab]
         lengths = lens.clone()
         done = torch.zeros(b, dtype=torch.bool)
         for step in range(params.max_tokens):
@@ -286,13 +543,12 @@ class InferenceEngine:
             if done.all() or step == params.max_tokens - 1:
                 break
             routing = [] if params.return_routing else None
-            logits = self.forward(next_ids.unsqueeze(1), lengths.unsqueeze(1), cache, lengths, routing)
+            last = self.forward(next_ids.unsqueeze(1), lengths.unsqueeze(1), cache, lengths, routing)[:, 0]
             if routing is not None:
                 for i, c in enumerate(out):
                     if not done[i]:
                         c.routing.append([r[r[:, 0] == i, 1].tolist() for r in routing])
             lengths = lengths + 1
-            last = logits[:, 0]
         for c in out:
             if c.text is None and self.detokenize is not None:
                 c.text = self.detokenize(c.token_ids)

@@ -36,16 +36,23 @@ def _trainer_logprobs(model, ids):
         return (-model(tokens, torch.arange(len(ids) - 1).unsqueeze(0), None, labels=labels)[0]).tolist()
 
 
-def test_cached_decoding_equals_uncached_forward(engine):
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_cached_decoding_equals_uncached_forward(engine, form):
+    """Prefill then one token at a time, attending over the latents either with the up-projections absorbed
+    into query and output or with keys and values expanded from the latents."""
     eng, model = engine
     ids = torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = LatentCache(len(eng.layers), 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim,
                         torch.float32, "cpu")
     prefix = 12
-    parts = [eng.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix).unsqueeze(0), cache,
-                         torch.tensor([0]))[0]]
-    for t in range(prefix, len(ids)):
-        parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
+    saved, eng.absorb_max_tokens = eng.absorb_max_tokens, (1 << 30 if form == "absorbed" else 0)
+    try:
+        parts = [eng.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix).unsqueeze(0), cache,
+                             torch.tensor([0]))[0]]
+        for t in range(prefix, len(ids)):
+            parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
+    finally:
+        eng.absorb_max_tokens = saved
     torch.testing.assert_close(torch.cat(parts), _full_logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
@@ -179,3 +186,93 @@ def test_speculative_sampling_keeps_the_main_distribution(engine):
         marginal += first[t] * torch.softmax(nxt.masked_fill(nxt < kth2, float("-inf")).double(), -1)
     tv = 0.5 * (counts.double() / counts.sum() - marginal).abs().sum().item()
     assert tv < 0.12
+
+
+def test_router_shortcut_matches_megatron_router(engine):
+    """The engine's few-op routing chooses the experts and weights Megatron-Core's TopKRouter chooses."""
+    eng, _ = engine
+    layer = next(layer for layer in eng.layers if hasattr(layer.mlp, "router"))
+    router = layer.mlp.router
+    x = torch.randn(9, eng.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        fast = eng._route(router, x, routing=[])
+    eng._fast_router[id(router)] = False
+    try:
+        with torch.no_grad():
+            slow = eng._route(router, x, routing=[])
+    finally:
+        del eng._fast_router[id(router)]
+    for (experts, weights), token in zip(zip(*fast), range(len(x))):
+        order = experts.argsort()
+        assert experts[order].tolist() == slow[0][token].tolist()  # Megatron's map lists experts ascending
+        assert weights[order].tolist() == pytest.approx(slow[1][token].tolist(), abs=1e-6)
+
+
+def test_pipeline_parallel_models_are_refused(engine):
+    _, model = engine
+    model.post_process = False
+    try:
+        with pytest.raises(ValueError, match="--pipeline-model-parallel-size"):
+            InferenceEngine(model)
+    finally:
+        model.post_process = True
+
+
+@pytest.fixture(scope="module")
+def engine_mtp2(engine):
+    """The tiny preset with two MTP layers (built under the same one-rank process groups)."""
+    eng, _ = engine
+    if eng.config.q_lora_rank is None:
+        pytest.skip("one architecture is enough for the MTP-depth checks")
+    args = parse_args(["--model", "tiny", "--mock-data", "--mtp-num-layers", "2"], world_size=1)
+    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=8))[0]
+    model.eval()
+    return InferenceEngine(model), model
+
+
+def test_mtp_chain_matches_megatron_mtp_block(engine_mtp2):
+    """MTP layer 2 takes MTP layer 1's output and the token two ahead, as Megatron-Core's MTP block does."""
+    eng, model = engine_mtp2
+    ids = torch.randint(0, 1024, (14,), generator=torch.Generator().manual_seed(9)).tolist()
+    tokens, pos = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)
+    with torch.no_grad():
+        hidden = model.decoder(model.embedding(tokens, pos), attention_mask=None)
+        chunks = torch.chunk(model.mtp(input_ids=tokens, position_ids=pos, hidden_states=hidden,
+                                       attention_mask=None, embedding=model.embedding), 3, dim=0)
+        reference = [model.output_layer(c)[0][:, 0].float() for c in chunks[1:]]
+    cache = eng.new_cache(2, 1, 32)
+    n = len(ids)
+    first = eng.mtp_hidden(0, hidden[: n - 1], tokens[:, 1:], pos[:, : n - 1], cache, torch.tensor([0]))
+    second = eng.mtp_hidden(1, first[: n - 2], tokens[:, 2:], pos[:, : n - 2], cache, torch.tensor([0]))
+    torch.testing.assert_close(eng.logits(first)[0], reference[0][: n - 1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eng.logits(second)[0], reference[1][: n - 2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_speculative_greedy_with_several_drafts_is_lossless(engine_mtp2, depth):
+    from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+
+    eng, _ = engine_mtp2
+    for seed in range(2):
+        prompt = torch.randint(0, 1024, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        params = SamplingParams(max_tokens=11, temperature=0.0)
+        stats = SpeculationStats()
+        spec = generate_speculative(eng, prompt, params, stats, depth=depth)
+        plain = eng.generate([prompt], params)[0]
+        assert spec.token_ids == plain.token_ids
+        assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+        assert len(stats.checked_by_depth) <= depth and stats.drafted == sum(stats.checked_by_depth)
+    with pytest.raises(ValueError, match="draft depth"):
+        generate_speculative(eng, [1, 2], SamplingParams(), depth=3)
+
+
+def test_speculative_honours_stop_strings(engine):
+    from megatron_ext.inference.speculative import generate_speculative
+
+    eng, _ = engine
+    eng_text = InferenceEngine(eng.model, detokenize=lambda ids: " ".join(str(i) for i in ids))
+    first = eng_text.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop=(str(first.token_ids[2]),))
+    plain = eng_text.generate([[5, 6]], params)[0]
+    spec = generate_speculative(eng_text, [5, 6], params)
+    assert (spec.text, spec.finish_reason, spec.token_ids) == (plain.text, plain.finish_reason, plain.token_ids)
