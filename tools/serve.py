@@ -2,6 +2,8 @@
 
     python tools/serve.py --load CKPT --use-checkpoint-args --port 8000 [--tokenizer-model DIR]
     python tools/serve.py --hf-dir /data/Kimi-K2.5 --port 8000        # imported on the fly into --save or a temp dir
+    torchrun --nproc-per-node 2 tools/serve.py --load CKPT --use-checkpoint-args --tensor-model-parallel-size 2 \
+        --sequence-parallel                # rank 0 serves HTTP; every rank holds its shard and generates with it
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
 """
 
@@ -26,7 +28,7 @@ def _serve_args(parser: argparse.ArgumentParser):
 
 def build_service(args):
     from megatron_ext.inference.engine import InferenceEngine
-    from megatron_ext.inference.server import ModelService
+    from megatron_ext.inference.server import ModelParallelServing, ModelService
     from megatron_ext.training.checkpointing import load_checkpoint, load_weights
     from megatron_ext.training.initialize import initialize_distributed
     from megatron_ext.training.step import build_model
@@ -44,8 +46,9 @@ def build_service(args):
         from megatron_ext.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    peers = ModelParallelServing() if ModelParallelServing.needed() else None
     return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
-                        reload=reload)
+                        reload=reload, peers=peers)
 
 
 def main(argv=None) -> int:
@@ -63,23 +66,39 @@ def main(argv=None) -> int:
         destroy()
         argv += ["--load", target, "--use-checkpoint-args"]
     try:
-        args = parse_args(argv + ["--mock-data"], description=__doc__, extra=(_serve_args,), world_size=1)
+        args = parse_args(argv + ["--mock-data"], description=__doc__, extra=(_serve_args,))
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.finetune = True  # serving needs weights only
-    from megatron_ext.inference.server import serve
-
-    server = serve(build_service(args), args.host, args.port)
-    print(f"serving {args.model} on http://{args.host}:{server.server_address[1]}", flush=True)
     import signal
 
+    import torch.distributed as dist
+
+    from megatron_ext.inference.server import serve
+    from megatron_ext.training.initialize import destroy
+
+    service = build_service(args)
+    if service.peers is not None and dist.get_rank() != 0:
+        service.peers.follow(service)  # until rank 0 stops
+        destroy()
+        return 0
+    server = serve(service, args.host, args.port)
+    if service.peers is not None:
+        service.peers.keep_alive(service)
+    print(f"serving {args.model} on http://{args.host}:{server.server_address[1]}", flush=True)
     signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # delivered to sigwait below, not to a default handler
     try:
         signal.sigwait(signals)
     finally:
         server.shutdown()
+        if service.peers is not None:
+            try:
+                service.peers.stop(service)
+            except RuntimeError:  # the launcher may have stopped the other ranks already
+                pass
+        destroy()
     return 0
 
 

@@ -17,6 +17,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
+import torch.distributed as dist
+
 from megatron_ext import platform
 from megatron_ext.data.sft import IM_END, parse_assistant
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
@@ -51,8 +53,9 @@ class ModelService:
     """Request parsing and generation, independent of HTTP (the handler only moves JSON)."""
 
     def __init__(self, engine: InferenceEngine, name: str, tokenizer=None,
-                 reload: Optional[Callable[[str], None]] = None):
+                 reload: Optional[Callable[[str], None]] = None, peers: Optional["ModelParallelServing"] = None):
         self.engine, self.name, self.tokenizer, self._reload = engine, name, tokenizer, reload
+        self.peers = peers
         if tokenizer is not None and engine.detokenize is None:
             engine.detokenize = tokenizer.decode  # stop strings and response text
         self.lock = threading.Lock()
@@ -92,13 +95,29 @@ class ModelService:
             return self.tokenizer.encode(prompt)
         raise RequestError("'prompt' must be a string or a non-empty list of token ids")
 
+    def execute(self, name: str, *args):
+        """One engine call; under model parallelism every rank makes it together (`ModelParallelServing`)."""
+        platform.ensure_mode_on_this_thread()
+        if name == "generate":
+            prompt_ids, params, speculative = args
+            if speculative:
+                return generate_speculative(self.engine, prompt_ids, params, self.stats)
+            return self.engine.generate([prompt_ids], params)[0]
+        if name == "reload":
+            return self._reload(*args)
+        if name == "noop":
+            return None
+        raise ValueError(f"unknown engine call {name!r}")
+
+    def _call(self, name: str, *args):
+        if self.peers is not None:
+            self.peers.announce(name, args)
+        return self.execute(name, *args)
+
     def _run(self, prompt_ids: list[int], params: SamplingParams, speculative: bool):
         with self.lock:
-            platform.ensure_mode_on_this_thread()
             try:
-                if speculative:
-                    return generate_speculative(self.engine, prompt_ids, params, self.stats)
-                return self.engine.generate([prompt_ids], params)[0]
+                return self._call("generate", prompt_ids, params, speculative)
             except ValueError as e:
                 raise RequestError(str(e)) from None
 
@@ -165,13 +184,63 @@ class ModelService:
         if self._reload is None:
             raise RequestError("this server was started without a way to reload weights", status=501)
         with self.lock:
-            platform.ensure_mode_on_this_thread()
             try:
-                self._reload(path)
+                self._call("reload", path)
             except Exception as e:  # a bad checkpoint must not take the server down
                 raise RequestError(f"cannot load {path}: {e}", status=422) from None
             self.version += 1
         return {"status": "ok", "weights_version": self.version, "load": path}
+
+
+class ModelParallelServing:
+    """The ranks of a model split over tensor- or expert-parallel ranks serve together.
+
+    Rank 0 serves HTTP; before every engine call (generate, reload) it broadcasts the call, and the other ranks,
+    waiting in `follow`, make the same call, so the engine's collectives line up. A call that fails fails alike
+    everywhere (same inputs, same checks); rank 0 reports it. While idle, rank 0 sends a no-op every
+    `heartbeat` seconds so that waiting ranks never reach the process group's timeout."""
+
+    def __init__(self, heartbeat: float = 60.0):
+        self.group = None  # the default (world) group: all ranks of the job hold one model
+        self.heartbeat = heartbeat
+        self._stopped = threading.Event()
+
+    @staticmethod
+    def needed() -> bool:
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def announce(self, name: str, args: tuple):
+        box = [(name, args)]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+
+    def follow(self, service: ModelService):
+        """Ranks other than 0: make every call rank 0 announces until it says stop."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            name, args = box[0]
+            if name == "stop":
+                return
+            try:
+                service.execute(name, *args)
+            except Exception:  # rank 0 makes the same call, fails the same way and reports it
+                pass
+
+    def keep_alive(self, service: ModelService):
+        """Rank 0: a background thread sending no-ops while no request comes."""
+        def beat():
+            while not self._stopped.wait(self.heartbeat):
+                with service.lock:
+                    if not self._stopped.is_set():
+                        self.announce("noop", ())
+
+        threading.Thread(target=beat, daemon=True).start()
+
+    def stop(self, service: ModelService):
+        """Rank 0: release the other ranks from `follow`."""
+        self._stopped.set()
+        with service.lock:
+            self.announce("stop", ())
 
 
 def make_handler(service: ModelService):

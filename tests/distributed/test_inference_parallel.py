@@ -104,3 +104,73 @@ def test_parallel_generation_matches_one_rank(layout, reference):
         assert spec["logprobs"] == pytest.approx(plain["logprobs"], abs=1e-5)
     # without a seed each request draws one; the ranks agreed on it (results compared equal above)
     assert len(got["sampled_unseeded"][0]["ids"]) == 8
+
+
+def _serving_worker(rank: int, world: int, port: int, flags: list[str], out_dir: str):
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import urllib.error
+    import urllib.request
+
+    import megatron_ext  # noqa: F401
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.inference.server import ModelParallelServing, ModelService, serve
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(flags, world_size=world)
+    initialize_distributed(args)
+    model = build_model(args, wrap_ddp=False, init_fn=partial(init_layout_invariant_, seed=2))[0]
+    service = ModelService(InferenceEngine(model), "tiny", peers=ModelParallelServing(heartbeat=0.2))
+    if rank != 0:
+        service.peers.follow(service)
+        destroy()
+        return
+    server = serve(service, "127.0.0.1", 0)
+    service.peers.keep_alive(service)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+
+    def post(body):
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    greedy = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+    results = {"first": post(greedy)}
+    import time
+
+    time.sleep(0.6)  # idle: heartbeats keep the other rank in step
+    results["bad"] = post({"prompt": [10 ** 9], "max_tokens": 4})  # an id outside the vocabulary: 400
+    results["sampled"] = post({"prompt": PROMPTS[1], "max_tokens": 6})  # unseeded: the ranks agree on a seed
+    results["speculative"] = post(dict(greedy, speculative=True))
+    results["again"] = post(greedy)
+    server.shutdown()
+    service.peers.stop(service)
+    with open(os.path.join(out_dir, "served.json"), "w") as f:
+        json.dump(results, f)
+    destroy()
+
+
+def test_tensor_parallel_server_serves_what_one_rank_generates(reference):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_serving_worker, args=(2, _free_port(), BASE + LAYOUTS["tp2"], tmp), nprocs=2,
+                           join=True, start_method="spawn")
+        with open(os.path.join(tmp, "served.json")) as f:
+            results = json.load(f)
+    want = reference["greedy_batch"][0]
+    for key in ("first", "speculative", "again"):
+        status, body = results[key]
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["token_ids"] == want["ids"], key
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), key
+    assert results["bad"][0] == 400 and "outside the vocabulary" in results["bad"][1]["error"]["message"]
+    assert results["sampled"][0] == 200 and len(results["sampled"][1]["choices"][0]["token_ids"]) == 6
