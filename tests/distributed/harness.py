@@ -26,13 +26,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
-            batches: list | None = None, param_grads: bool = False):
+def join(rank: int, world: int, port: int):
+    """Make this spawned process rank `rank` of a `world`-rank gloo job, as torchrun would (one thread each)."""
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+
+
+def invariant_model(flags: list[str], world: int, seed: int):
+    """Parsed flags and this rank's shard of the layout-invariant model (no DDP wrapper), process groups up."""
+    import megatron_ext  # noqa: F401
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.initialize import initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(flags, world_size=world)
+    initialize_distributed(args)
+    return args, build_model(args, wrap_ddp=False, init_fn=partial(init_layout_invariant_, seed=seed))[0]
+
+
+def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
+            batches: list | None = None, param_grads: bool = False):
+    join(rank, world, port)
     import megatron_ext  # noqa: F401
     import pretrain_composer as entry
     from megatron_ext.arguments import parse_args
@@ -68,18 +86,13 @@ def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1,
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads),
-                           nprocs=world,
-                           join=True, start_method="spawn")
+                           nprocs=world, join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)
 
 
 def _entry_worker(rank: int, world: int, port: int, argv: list[str]):
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, ROOT)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    join(rank, world, port)
     import contextlib
     import io
 

@@ -7,16 +7,13 @@ model returns (token ids equal, log-probabilities within 1e-5 in fp32).
 
 import json
 import os
-import sys
 import tempfile
-import warnings
-from functools import partial
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.harness import ROOT, _free_port
+from tests.distributed.harness import _free_port, invariant_model, join
 
 BASE = ["--model", "tiny", "--mock-data", "--seed", "5"]
 LAYOUTS = {
@@ -50,21 +47,11 @@ def _requests(engine):
 
 
 def _worker(rank: int, world: int, port: int, flags: list[str], out_dir: str):
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, ROOT)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import megatron_ext  # noqa: F401
-    from megatron_ext.arguments import parse_args
+    join(rank, world, port)
     from megatron_ext.inference.engine import InferenceEngine
-    from megatron_ext.testing import init_layout_invariant_
-    from megatron_ext.training.initialize import destroy, initialize_distributed
-    from megatron_ext.training.step import build_model
+    from megatron_ext.training.initialize import destroy
 
-    args = parse_args(flags, world_size=world)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False, init_fn=partial(init_layout_invariant_, seed=2))[0]
+    _, model = invariant_model(flags, world, seed=2)
     torch.manual_seed(1000 + rank)  # ranks' global generators drift apart in real jobs; requests must not care
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(_requests(InferenceEngine(model)), f)
@@ -107,25 +94,15 @@ def test_parallel_generation_matches_one_rank(layout, reference):
 
 
 def _serving_worker(rank: int, world: int, port: int, flags: list[str], out_dir: str):
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, ROOT)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    join(rank, world, port)
     import urllib.error
     import urllib.request
 
-    import megatron_ext  # noqa: F401
-    from megatron_ext.arguments import parse_args
     from megatron_ext.inference.engine import InferenceEngine
     from megatron_ext.inference.server import ModelParallelServing, ModelService, serve
-    from megatron_ext.testing import init_layout_invariant_
-    from megatron_ext.training.initialize import destroy, initialize_distributed
-    from megatron_ext.training.step import build_model
+    from megatron_ext.training.initialize import destroy
 
-    args = parse_args(flags, world_size=world)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False, init_fn=partial(init_layout_invariant_, seed=2))[0]
+    _, model = invariant_model(flags, world, seed=2)
     service = ModelService(InferenceEngine(model), "tiny", peers=ModelParallelServing(heartbeat=0.2))
     if rank != 0:
         service.peers.follow(service)
