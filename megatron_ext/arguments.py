@@ -103,7 +103,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="expert-parallel ranks")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert (default: 1 when EP > 1, else the TP size)")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="context-parallel ranks")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel ranks, each holding two load-balanced chunks of every sequence; with "
+                        "--transformer-impl local the MLA KV latent is all-gathered (any process-group backend), "
+                        "with transformer_engine Transformer Engine's attention does it")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state and master weights across data-parallel ranks")
 
