@@ -22,7 +22,10 @@ class ComposerGPTModel(GPTModel):
         if mtp_loss not in ("ce", "self-distill"):
             raise ValueError(f"mtp_loss must be 'ce' or 'self-distill', got {mtp_loss!r}")
         self.mtp_loss, self.mtp_temperature, self.mtp_detach_trunk = mtp_loss, mtp_distill_temperature, mtp_detach_trunk
-        self.own_mtp_path = bool(self.config.mtp_num_layers) and (mtp_loss != "ce" or mtp_detach_trunk)
+        # Megatron-Core's MTP cross-entropy is normalised per context-parallel rank (its gradient comes out divided
+        # by the CP size), so under CP the hard-label loss runs here too, normalised over the whole sequence.
+        self.own_mtp_path = bool(self.config.mtp_num_layers) and (
+            mtp_loss != "ce" or mtp_detach_trunk or self.config.context_parallel_size > 1)
         self.mtp_scaling = self.config.mtp_loss_scaling_factor
         if self.own_mtp_path:
             self.config.mtp_loss_scaling_factor = 0.0  # Megatron's MTP cross-entropy: logged, not trained
@@ -79,7 +82,9 @@ class ComposerGPTModel(GPTModel):
         else:
             losses = []
             for k, logits in enumerate(mtp_logits, start=1):
-                ce = self.compute_language_model_loss(torch.roll(labels, -k, dims=-1), logits)
-                agree = torch.zeros_like(ce)
+                agree = distill.top1_agreement(main_logits, logits, k, packed)
+                targets = distill.shift_positions(labels, k, packed)
+                ce = self.compute_language_model_loss(targets, logits)
                 losses.append((ce, distill.shifted_mask(loss_mask, k, packed), agree))
-        return distill.attach(output, losses, self.mtp_scaling, self.config.calculate_per_token_loss, self.training)
+        return distill.attach(output, losses, self.mtp_scaling, self.config.calculate_per_token_loss, self.training,
+                              name="ce loss" if self.mtp_loss == "ce" else "distill loss")

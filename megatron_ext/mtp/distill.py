@@ -85,6 +85,18 @@ def _bounds(seq_local: int, packed_seq_params=None) -> tuple[int, ...]:
     return context_parallel.document_bounds(seq_local * context_parallel.cp_size(), packed_seq_params)
 
 
+def shift_positions(x: torch.Tensor, k: int, packed_seq_params=None) -> torch.Tensor:
+    """[b, s] values k positions ahead in the same sequence or document (0 past its end), CP-aware."""
+    return context_parallel.shift_left(x, k, _bounds(x.size(1), packed_seq_params), dim=1)
+
+
+def top1_agreement(main_logits: torch.Tensor, mtp_logits: torch.Tensor, k: int, packed_seq_params=None):
+    """[b, s]: 1 where MTP-k's argmax at t equals the main head's argmax at t + k (logits [s, b, V/tp])."""
+    bounds = _bounds(main_logits.size(0), packed_seq_params)
+    ahead = context_parallel.shift_left(_tp_argmax(main_logits.detach()), k, bounds, dim=0)
+    return (_tp_argmax(mtp_logits.detach()) == ahead).float().transpose(0, 1)
+
+
 def shifted_mask(loss_mask: torch.Tensor, k: int, packed_seq_params=None) -> torch.Tensor:
     """[b, s] mask of positions t whose distillation target t + k exists in the same document (and counts)."""
     bounds = _bounds(loss_mask.size(1), packed_seq_params)
@@ -100,19 +112,18 @@ def self_distillation_losses(main_logits: torch.Tensor, mtp_logits: list[torch.T
     next chunk on another rank (`context_parallel.shift_left`)."""
     bounds = _bounds(main_logits.size(0), packed_seq_params)
     target = vocab_parallel_log_softmax(main_logits.detach() / temperature)  # [s, b, V/tp]
-    main_top1 = _tp_argmax(main_logits.detach())
     out = []
     for k, logits in enumerate(mtp_logits, start=1):
         log_q = vocab_parallel_log_softmax(logits / temperature)
         log_p = context_parallel.shift_left(target, k, bounds, dim=0)
         kl = _tp_sum((log_p.exp() * (log_p - log_q)).sum(dim=-1, keepdim=True)).squeeze(-1)  # [s, b]
-        agree = (_tp_argmax(logits.detach()) == context_parallel.shift_left(main_top1, k, bounds, dim=0)).float()
         mask = shifted_mask(loss_mask, k, packed_seq_params)
-        out.append((kl.transpose(0, 1), mask, agree.transpose(0, 1)))
+        out.append((kl.transpose(0, 1), mask, top1_agreement(main_logits, logits, k, packed_seq_params)))
     return out
 
 
-def attach(output: torch.Tensor, losses, scaling_factor: float, per_token: bool, training: bool) -> torch.Tensor:
+def attach(output: torch.Tensor, losses, scaling_factor: float, per_token: bool, training: bool,
+           name: str = "distill loss") -> torch.Tensor:
     """Give the MTP losses their gradient through `output` (Megatron's MTPLossAutoScaler, which the pipeline
     schedule scales like the main loss) and record them for logging.
 
@@ -129,7 +140,7 @@ def attach(output: torch.Tensor, losses, scaling_factor: float, per_token: bool,
         tokens = tokens.clamp(min=1) / cp
         loss = (kl * mask).sum()
         if training:
-            _record(f"mtp_{k} distill loss", loss.detach() / tokens)
+            _record(f"mtp_{k} {name}", loss.detach() / tokens)
             _record(f"mtp_{k} top1 agreement", (agree * mask).sum() / tokens)
             scale = scaling_factor / num_layers
             output = MTPLossAutoScaler.apply(output, scale * loss if per_token else scale * loss / tokens)

@@ -115,3 +115,16 @@ def test_packed_documents_with_masks_match_one_rank(world, flags, packed_batches
             floor = 1e-6 * w["grad_norm"]
             for name, value in w["param_grads"].items():
                 assert math.isclose(g["param_grads"][name], value, rel_tol=1e-5, abs_tol=floor), (step, name)
+
+
+def test_hard_label_mtp_loss_is_normalised_over_the_whole_sequence():
+    """--mtp-loss ce under CP2 trains like Megatron-Core's own MTP cross-entropy on one rank (whose CP path divides
+    the gradient by the CP size): the loss runs through our CP-normalised path instead."""
+    flags = ["--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+             "--seed", "7", "--mtp-loss", "ce"]
+    want = run_layout(flags, world=1)
+    got = run_layout(flags + ["--context-parallel-size", "2"], world=2)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert math.isclose(g["losses"]["lm loss"], w["losses"]["lm loss"], rel_tol=1e-5)
+        assert math.isclose(g["losses"]["mtp_1 ce loss"], w["losses"]["mtp_1 loss"], rel_tol=1e-5), (step, g, w)
+        assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (step, g, w)
