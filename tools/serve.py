@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     pre.add_argument("--hf-dir")
     pre.add_argument("--save")
     known, _ = pre.parse_known_args(argv)
+    if known.hf_dir and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print("error: --hf-dir imports on one process; under torchrun convert first (tools/convert_checkpoint.py "
+              "import --hf-dir HF --save CKPT) and serve with --load CKPT --use-checkpoint-args", file=sys.stderr)
+        return 2
     if known.hf_dir:
         from megatron_ext.convert.streaming import import_hf
         from megatron_ext.training.initialize import destroy

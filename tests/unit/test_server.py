@@ -173,3 +173,11 @@ def test_assistant_turns_parse_back_to_messages(tmp_path):
     assert cut.get("incomplete") or len(cut["tool_calls"]) < 2
     plain = render_chat(tokenizer, user + [{"role": "assistant", "content": "No tools needed."}]).ids
     assert parse_assistant(tokenizer, plain[len(prompt):]) == {"content": "No tools needed.", "tool_calls": []}
+
+
+def test_hf_dir_under_torchrun_is_refused(monkeypatch, capsys):
+    from tests.unit.data_fixtures import load_tool
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert load_tool("serve").main(["--hf-dir", "/nonexistent"]) == 2
+    assert "convert first" in capsys.readouterr().err
