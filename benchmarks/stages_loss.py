@@ -106,9 +106,12 @@ def main() -> int:
 
     from tests.tb import scalars
 
-    stages = [("pretrain", 16 * 256), ("extend", 4 * 1024), ("sft", 4 * 1024)]  # tokens per step
-    curves, offset = {}, 0
-    for name, per_step in stages:
+    from megatron_ext.arguments import parse_args
+
+    curves, offset, agreement = {}, 0, None
+    for name in ("pretrain", "extend", "sft"):
+        flags = parse_args([f"@examples/tiny/{name}.args", "--dry-run"], world_size=2)
+        per_step = flags.global_batch_size * flags.seq_length  # tokens per step, as the flag files say
         s = scalars(tb[name])
         train = sorted(s["lm loss"].items())
         valid = sorted(s.get("lm loss validation", {}).items())

@@ -1,15 +1,13 @@
 """Context parallelism through the MLA latent: sharding helpers, packed documents with uneven loss masks."""
 
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from megatron_ext.models import context_parallel
-from tests.distributed.harness import run_layout
+from tests.distributed.harness import _free_port, join, run_layout
 
 
 def test_local_index_is_load_balanced():
@@ -30,27 +28,21 @@ def test_shift_left_one_rank_respects_documents():
     assert got == [2, 3, 4, 5, 0, 0, 8, 9, 0, 0]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shift_worker(rank, world, port, bounds, shift, result):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import megatron_ext  # noqa: F401
+    join(rank, world, port)
     from megatron.core import parallel_state
 
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     try:
         full = torch.randn(bounds[-1], 3, generator=torch.Generator().manual_seed(0))
         index = context_parallel.local_index(bounds)
         got = context_parallel.shift_left(full[index], shift, bounds, dim=0)
-        ends = torch.tensor(bounds[1:])
-        target = index + shift
-        valid = target < ends[torch.searchsorted(ends, index, right=True)]
-        want = full[target.clamp(max=bounds[-1] - 1)] * valid[:, None]
+        want = torch.zeros_like(got)
+        for row, p in enumerate(index.tolist()):  # the value `shift` ahead in p's own document, if any
+            end = next(e for e in bounds[1:] if p < e)
+            if p + shift < end:
+                want[row] = full[p + shift]
         result[rank] = bool(torch.equal(got, want))
         gathered = context_parallel.gather_sequence(full[index], bounds)
         result[world + rank] = bool(torch.equal(gathered, full))
