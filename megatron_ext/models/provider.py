@@ -39,6 +39,7 @@ def transformer_config(args: argparse.Namespace) -> MLATransformerConfig:
             moe_router_dtype="fp32",  # the HF reference routes in fp32
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_enable_routing_replay=getattr(args, "rl_routing_replay", False),  # RL: replay the sampler's experts
         )
     return MLATransformerConfig(
         num_layers=arch.num_layers,

@@ -1,0 +1,102 @@
+"""RL flags (Megatron-LM's train_rl.py names where the meaning is the same) and their translation into the typed
+configs the RL components take; nothing below rl_composer.py reads `args`."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_ext.arguments import ArgumentError
+from megatron_ext.rl.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, LossConfig
+from megatron_ext.rl.rollout import Sampling
+
+
+def add_rl_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("rl", "GRPO as in the Composer 2 recipe (rl_composer.py)")
+    g.add_argument("--rl-prompts", default=None, help="JSONL prompt file, one task with a unique 'id' per line "
+                                                      "(tools/make_rl_prompts.py); each id is trained on once")
+    g.add_argument("--rl-log-dir", default=None,
+                   help="write trained_groups.jsonl, rollouts.jsonl and eval.jsonl here")
+    g.add_argument("--grpo-group-size", type=int, default=8, help="samples per prompt (G)")
+    g.add_argument("--grpo-prompts-per-step", type=int, default=8, help="prompts (groups) per RL step")
+    g.add_argument("--grpo-iterations", type=int, default=1,
+                   help="optimizer steps per batch of rollouts (> 1: PPO clipping against the pre-step policy)")
+    g.add_argument("--grpo-max-response-length", type=int, default=16,
+                   help="generation budget (model tokens per episode); also L_max of the constant aggregation")
+    g.add_argument("--grpo-kl-beta", type=float, default=0.001, help="weight of the KL to the reference (0: none, "
+                                                                       "no reference model)")
+    g.add_argument("--rl-kl-estimator", default="k1", choices=KL_ESTIMATORS,
+                   help="k1 enters the reward (the recipe); k2/k3 enter the loss")
+    g.add_argument("--grpo-clamp-eps-lower", type=float, default=0.2, help="PPO ratio clip below 1")
+    g.add_argument("--grpo-clamp-eps-upper", type=float, default=0.2, help="PPO ratio clip above 1")
+    g.add_argument("--grpo-entropy-term-weight", type=float, default=0.0, help="entropy bonus weight")
+    g.add_argument("--rl-loss-aggregation", default="constant", choices=AGGREGATIONS,
+                   help="constant: token sums / --grpo-max-response-length (Dr.GRPO); token-mean; sequence-mean")
+    g.add_argument("--rl-advantage-std-normalize", action="store_true",
+                   help="divide advantages by the group's reward std (GRPO; off in the recipe)")
+    g.add_argument("--rl-importance-sampling", default="none", choices=IS_MODES,
+                   help="correction to the sampler's log-probabilities: truncated (TIS), IcePop band mask, "
+                        "sequence-level truncated")
+    g.add_argument("--rl-importance-sampling-truncation-coef", type=float, default=2.0,
+                   help="cap C of the TIS and sequence-level weights")
+    g.add_argument("--rl-icepop-band", type=float, nargs=2, default=[0.5, 2.0], metavar=("LOW", "HIGH"),
+                   help="IcePop: tokens whose ratio lies outside [LOW, HIGH] leave the gradient")
+    g.add_argument("--rl-routing-replay", action="store_true",
+                   help="train with the experts the sampler chose (Megatron-Core RouterReplay)")
+    g.add_argument("--rl-temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--rl-top-k", type=int, default=0, help="sampling top-k (0: off)")
+    g.add_argument("--rl-top-p", type=float, default=1.0, help="sampling top-p")
+    g.add_argument("--rl-max-turns", type=int, default=1, help="model turns per episode")
+    g.add_argument("--rl-reward-weights", default="",
+                   help="NAME=W,... weights of the environment's reward parts (digits: exact, char_accuracy)")
+    g.add_argument("--rl-reference-load", default=None,
+                   help="checkpoint of the KL reference policy (default: the --load a run starts from)")
+    g.add_argument("--rl-eval-prompts", default=None, help="held-out JSONL prompts, evaluated every "
+                                                           "--rl-eval-interval steps")
+    g.add_argument("--rl-eval-interval", type=int, default=0, help="steps between held-out evaluations (0: off)")
+    g.add_argument("--rl-eval-samples", type=int, default=4, help="samples per held-out prompt (pass@K's K)")
+    g.add_argument("--rl-eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    g.add_argument("--rl-sft-warmup", action="store_true",
+                   help="train on the prompts' reference answers instead of sampling (supervised warm-up)")
+
+
+def validate_rl_args(args: argparse.Namespace):
+    def fail(msg):
+        raise ArgumentError(msg)
+
+    if not args.rl_prompts and not args.dry_run:
+        fail("rl_composer.py needs --rl-prompts FILE (tools/make_rl_prompts.py writes one)")
+    for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "grpo_max_response_length",
+                 "rl_max_turns", "rl_eval_samples"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.grpo_kl_beta < 0:
+        fail("--grpo-kl-beta must be >= 0")
+    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+        fail("colocated generation runs the inference engine on every rank's model, which needs "
+             "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the RL training step itself supports "
+             "PP/CP; separate generation workers come with the asynchronous RL issue)")
+    if args.rl_importance_sampling == "sequence" and args.context_parallel_size > 1:
+        fail("--rl-importance-sampling sequence needs whole samples on a rank: --context-parallel-size 1")
+    if args.rl_routing_replay and not args.arch.num_experts:
+        fail("--rl-routing-replay needs an MoE model (--num-experts > 0)")
+    if args.rl_eval_interval and not args.rl_eval_prompts:
+        fail("--rl-eval-interval needs --rl-eval-prompts FILE")
+    if args.rl_temperature <= 0:
+        fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
+
+
+def loss_config(args: argparse.Namespace) -> LossConfig:
+    try:
+        return LossConfig(kl_beta=args.grpo_kl_beta, kl_estimator=args.rl_kl_estimator,
+                          clamp_eps_lower=args.grpo_clamp_eps_lower, clamp_eps_upper=args.grpo_clamp_eps_upper,
+                          importance_sampling=args.rl_importance_sampling,
+                          is_truncation_coef=args.rl_importance_sampling_truncation_coef,
+                          icepop_low=args.rl_icepop_band[0], icepop_high=args.rl_icepop_band[1],
+                          entropy_weight=args.grpo_entropy_term_weight)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def sampling_config(args: argparse.Namespace, stop_token_ids: tuple[int, ...]) -> Sampling:
+    return Sampling(max_tokens=args.grpo_max_response_length, temperature=args.rl_temperature, top_k=args.rl_top_k,
+                    top_p=args.rl_top_p, stop_token_ids=stop_token_ids, return_routing=args.rl_routing_replay)

@@ -1,0 +1,152 @@
+"""Episodes: prompts through an injected generate function and environments into scored groups.
+
+Rollout code never imports the inference engine: it takes `generate(prompts, n, sampling) -> samples[i][j]` (the
+j-th of n samples for prompt i). `EngineGenerate` adapts the local engine (megatron_ext/inference, ENGINE_API);
+tests use a fake. Turns are appended to one token sequence: environment tokens (prompt, observations) as
+environment segments, the sampler's tokens as model segments, exactly as produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+
+from megatron_ext.rl.advantage import group_advantages
+from megatron_ext.rl.env import Environment
+from megatron_ext.rl.types import Group, Reward, Rollout, Sample, Segment
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    return_routing: bool = False
+
+
+class GenerateFn(Protocol):
+    def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]: ...
+
+
+class EngineGenerate:
+    """GenerateFn on the local InferenceEngine. Uses `generate_groups` (one prefill per prompt, forked n ways)
+    when the engine has it, else n copies of each prompt in one batch; per-sample seeds are seed + j either way
+    (seed + i * n + j over the batch), so a step's samples are reproducible."""
+
+    def __init__(self, engine, version: Callable[[], int]):
+        self.engine, self.version = engine, version
+
+    def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
+        from megatron_ext.inference.engine import SamplingParams
+
+        params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                                stop_token_ids=tuple(sampling.stop_token_ids),
+                                return_routing=sampling.return_routing)
+        if hasattr(self.engine, "generate_groups"):
+            if sampling.seed is not None:
+                params = [SamplingParams(**{**vars(params), "seed": sampling.seed + i * n}) for i in range(len(prompts))]
+            groups = self.engine.generate_groups(prompts, n, params)
+        else:
+            flat = self.engine.generate([p for p in prompts for _ in range(n)], params)
+            groups = [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [[self._sample(c) for c in g] for g in groups]
+
+    def _sample(self, c) -> Sample:
+        n = len(c.token_ids)
+        versions = list(getattr(c, "versions", None) or [self.version()] * n)
+        sampled = getattr(c, "sampled_logprobs", None)
+        routing = getattr(c, "routing", None)
+        if routing is not None and not isinstance(routing, np.ndarray):
+            routing = np.asarray(routing.cpu() if hasattr(routing, "cpu") else routing)
+        if routing is not None and routing.ndim != 3:
+            routing = None  # older engines record decode steps only: not replayable
+        return Sample(list(c.token_ids), list(c.logprobs), list(sampled) if sampled is not None else list(c.logprobs),
+                      versions, c.finish_reason or "length", routing)
+
+
+@dataclass
+class EpisodeConfig:
+    group_size: int
+    sampling: Sampling
+    max_turns: int = 1
+    max_response_length: int = 0  # total model tokens of an episode (0: sampling.max_tokens)
+
+
+def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate: GenerateFn, cfg: EpisodeConfig,
+               std_normalize: bool = False) -> list[Group]:
+    """G episodes per task, scored; advantages filled in from the (KL-free) rewards."""
+    g = cfg.group_size
+    envs = [[make_env() for _ in range(g)] for _ in tasks]
+    prompts = [envs[i][0].reset(t) for i, t in enumerate(tasks)]
+    for i, t in enumerate(tasks):
+        for e in envs[i][1:]:
+            e.reset(t)
+    budget = cfg.max_response_length or cfg.sampling.max_tokens
+    first = generate(prompts, g, cfg.sampling)
+    episodes = [[[Segment.environment(prompts[i])] for _ in range(g)] for i in range(len(tasks))]
+    finish = [["length"] * g for _ in tasks]
+    routing: list[list[Optional[np.ndarray]]] = [[None] * g for _ in tasks]
+    active = []
+    for i in range(len(tasks)):
+        for j in range(g):
+            active.append((i, j, first[i][j]))
+    turn = 0
+    while active:
+        turn += 1
+        follow = []
+        for i, j, sample in active:
+            episodes[i][j].append(Segment.model(sample))
+            routing[i][j] = sample.routing
+            used = sum(len(s.token_ids) for s in episodes[i][j] if s.trainable)
+            result = envs[i][j].step(sample.token_ids)
+            if result.done:
+                finish[i][j] = sample.finish_reason
+            elif turn >= cfg.max_turns or used >= budget:
+                finish[i][j] = "length"
+            else:
+                episodes[i][j].append(Segment.environment(result.observation))
+                follow.append((i, j))
+        if not follow:
+            break
+        contexts = [[t for s in episodes[i][j] for t in s.token_ids] for i, j in follow]
+        more = []
+        for (i, j), ctx in zip(follow, contexts):
+            used = sum(len(s.token_ids) for s in episodes[i][j] if s.trainable)
+            sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, budget - used),
+                                   "seed": None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * turn + i * g + j})
+            more.append((i, j, generate([ctx], 1, sampling)[0][0]))
+        active = more
+    groups = []
+    for i, t in enumerate(tasks):
+        rollouts = []
+        for j in range(g):
+            reward = envs[i][j].score()
+            if not isinstance(reward, Reward):
+                raise TypeError("Environment.score() must return a Reward (env.Rubric.score)")
+            rollouts.append(Rollout(t["id"], j, episodes[i][j], "error" if reward.error else finish[i][j], reward,
+                                    routing[i][j]))
+        grp = Group(t["id"], rollouts)
+        grp.advantages = group_advantages(grp.rewards, std_normalize).tolist()
+        groups.append(grp)
+    return groups
+
+
+def reference_groups(tasks: list[dict], make_env: Callable[[], Environment]) -> list[Group]:
+    """Each task's reference answer as a one-sample group with advantage 1: the GRPO loss then reduces to
+    cross-entropy on the answer (the supervised warm-up); scored by the environment like any rollout."""
+    groups = []
+    for t in tasks:
+        env = make_env()
+        prompt = env.reset(t)
+        answer = env.reference(t)
+        env.step(answer)
+        sample = Sample(answer, [0.0] * len(answer), [0.0] * len(answer), [0] * len(answer), "stop")
+        groups.append(Group(t["id"], [Rollout(t["id"], 0, [Segment.environment(prompt), Segment.model(sample)],
+                                              "stop", env.score())], [1.0]))
+    return groups

@@ -1,0 +1,400 @@
+"""The colocated RL loop: generate -> score -> reference -> train -> publish weights, each prompt once.
+
+    ledger --admit P prompts--> generate (engine replicas, G samples each) --> environments score --> groups
+      --> all ranks hold every group --> [reference pass: k1 into the reward] --> advantages
+      --> this DP rank's groups packed into THD micro-batches --> train_step (GRPO loss) x --grpo-iterations
+      --> weights version + 1 (the engine runs on the trainer's own parameters) --> trained_groups.jsonl
+      --> checkpoint (model, optimizer, RNG and the ledger in one atomic publish)
+
+Generation replicas are the ranks that cooperate on one request (a tensor- and expert-parallel group); groups are
+dealt to replicas round-robin and to data-parallel ranks for training the same way. Everything else (schedules,
+optimizer, clipping, NaN skipping, checkpoints) is the pretraining step's (training/step.py, checkpointing.py).
+The next issue moves generation to separate workers; only `Generation` and the ledger's admission change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from megatron_ext.mtp import distill
+from megatron_ext.rl import forward as rl_forward
+from megatron_ext.rl.advantage import group_advantages, is_zero_advantage, kl_penalised
+from megatron_ext.rl.batch import micro_batches, rows_needed
+from megatron_ext.rl.env import Environment
+from megatron_ext.rl.ledger import Ledger
+from megatron_ext.rl.loss import LossConfig, aggregation_weights
+from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, reference_groups, run_groups
+from megatron_ext.rl.types import Group, TrainingSample
+from megatron_ext.training.checkpointing import load_checkpoint, load_weights, save_checkpoint
+from megatron_ext.training.loop import _Logger, _Sigterm, print_args
+from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
+    train_step
+
+
+@dataclass
+class RLConfig:
+    group_size: int
+    prompts_per_step: int
+    iterations: int
+    max_response_length: int
+    aggregation: str
+    std_normalize: bool
+    loss: LossConfig
+    sampling: Sampling
+    max_turns: int = 1
+    routing_replay: bool = False
+    log_dir: Optional[str] = None
+    reference_load: Optional[str] = None
+    eval_tasks: list = field(default_factory=list)
+    eval_interval: int = 0
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
+    sft_warmup: bool = False
+
+
+def _replica_ranks() -> tuple[int, int]:
+    """(this rank's generation replica, number of replicas): ranks of one TP x EP block run the same request."""
+    ranks = set(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        ranks |= set(dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()))
+    leader = min(ranks)
+    leaders = [None] * dist.get_world_size()
+    dist.all_gather_object(leaders, leader)
+    order = sorted(set(leaders))
+    return order.index(leader), len(order)
+
+
+def generate_groups(tasks: list[dict], make_env, generate: GenerateFn, cfg: EpisodeConfig, std_normalize: bool,
+                    seed: int) -> list[Group]:
+    """Every task's group, on every rank: each replica generates its share (tasks i with i % R == replica)."""
+    replica, replicas = _replica_ranks()
+    mine = [t for i, t in enumerate(tasks) if i % replicas == replica]
+    sampling = Sampling(**{**vars(cfg.sampling), "seed": seed + 100_003 * replica})
+    local = run_groups(mine, make_env, generate, EpisodeConfig(cfg.group_size, sampling, cfg.max_turns,
+                                                                cfg.max_response_length), std_normalize) if mine else []
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (replica, local))
+    by_id = {}
+    for _, groups in gathered:
+        for g in groups:
+            by_id.setdefault(g.prompt_id, g)
+    return [by_id[t["id"]] for t in tasks]
+
+
+def _cleanup_trackers():
+    """Forward-only passes leave MoE/MTP loss trackers filled; the training step's logging must not see them."""
+    clear_aux_losses_tracker()
+    if "values" in MTPLossLoggingHelper.tracker:
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+    distill.pop_metrics(1)
+
+
+def logprob_pass(model, mbs: list[dict], args, routing_replay: bool) -> list[Optional[torch.Tensor]]:
+    """Per micro-batch, this rank's label log-probabilities [1, T_local] (None off the last pipeline stage)."""
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        out = _run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay), iter(mbs),
+                            model, args, len(mbs), forward_only=True)
+    for chunk in model:
+        chunk.train()
+    _cleanup_trackers()
+    if not parallel_state.is_pipeline_last_stage():
+        return [None] * len(mbs)
+    return [o["logprobs"] for o in out]
+
+
+def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int) -> np.ndarray:
+    """Sum over each sample's model tokens of k1 = log p_sampler - log p_ref, every rank the same."""
+    total = torch.zeros(num_samples, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for mb, lp in zip(mbs, ref):
+            batch, _, _, _ = rl_forward.local_batch(mb)
+            ids, mask = batch["sample_ids"].view(-1), batch["loss_mask"].view(-1)
+            k1 = (batch["sampler_logprobs"].view(-1).double() - lp.view(-1).double()) * mask
+            keep = ids >= 0
+            total.index_add_(0, ids[keep], k1[keep])
+    dist.all_reduce(total)  # data-parallel ranks hold different samples, CP ranks different tokens
+    return total.numpy()
+
+
+def group_metrics(groups: list[Group], max_response_length: int) -> dict[str, float]:
+    rewards = np.array([r for g in groups for r in g.rewards])
+    adv = np.array([a for g in groups for a in g.advantages])
+    lengths = np.array([r.response_length for g in groups for r in g.rollouts])
+    out = {"reward mean": float(rewards.mean()), "reward std": float(rewards.std()),
+           "zero-advantage groups": float(np.mean([is_zero_advantage(g.rewards) for g in groups])),
+           "advantage mean": float(adv.mean()), "advantage abs mean": float(np.abs(adv).mean()),
+           "response length mean": float(lengths.mean()), "response length max": float(lengths.max()),
+           "truncation rate": float(np.mean([r.finish_reason == "length" for g in groups for r in g.rollouts])),
+           "reward errors": float(np.mean([r.reward.error is not None for g in groups for r in g.rollouts]))}
+    parts = sorted({k for g in groups for r in g.rollouts for k in r.reward.parts})
+    for name in parts:
+        out[f"reward {name}"] = float(np.mean([r.reward.parts.get(name, 0.0) for g in groups for r in g.rollouts]))
+    return out
+
+
+class RLTrainer:
+    def __init__(self, args: argparse.Namespace, cfg: RLConfig, tasks: list[dict], make_env: Callable[[], Environment],
+                 generate: Optional[GenerateFn] = None, log=print):
+        self.args, self.cfg, self.tasks, self.make_env, self.log = args, cfg, tasks, make_env, log
+        self.by_id = {t["id"]: t for t in tasks}
+        self.rank = dist.get_rank()
+        self.model, self.optimizer = setup_model_and_optimizer(args)
+        self.scheduler = build_scheduler(args, self.optimizer)
+        self.ledger = Ledger([t["id"] for t in tasks], cfg.log_dir, writer=self.rank == 0)
+        self.reference = None
+        if cfg.loss.kl_beta:
+            self.reference = build_model(args, wrap_ddp=False)[0]
+            self._copy_weights(self.model, self.reference)  # the initial policy, unless loaded below
+        self.iteration, self.reference_source = 0, "init"
+        if args.load:
+            self.iteration, common = load_checkpoint(args, self.model, self.optimizer, self.scheduler, log=log)
+            state = common.get("rl_state")
+            if state is not None and self.iteration > 0:
+                self.ledger.load_state_dict(state)
+                self.reference_source = state.get("reference", "init")
+                if self.rank == 0:
+                    self.ledger.reconcile(self.iteration)
+                log(f"RL state: cursor {self.ledger.cursor}/{len(tasks)}, {len(self.ledger.in_flight)} prompts in "
+                    f"flight, {len(self.ledger.pending)} finished groups pending")
+            else:
+                self.reference_source = args.load
+        if cfg.reference_load:
+            self.reference_source = cfg.reference_load
+        if self.reference is not None:
+            if self.reference_source != "init":
+                load_weights(args, [self.reference], self.reference_source, log=log)
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        self.generate = generate
+        self.engine = None
+        if generate is None:
+            from megatron_ext.inference.engine import InferenceEngine
+            from megatron_ext.rl.rollout import EngineGenerate
+
+            self.engine = InferenceEngine(self.model[0])
+            if hasattr(self.engine, "weights_version"):
+                self.engine.weights_version = self.iteration
+            self.generate = EngineGenerate(self.engine, lambda: self.iteration)
+        dp = parallel_state.get_data_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+        self.pad_multiple = 2 * cp if cp > 1 else 1
+        self.dp, self.dp_rank, self.cp = dp, parallel_state.get_data_parallel_rank(), cp
+
+    @staticmethod
+    @torch.no_grad()
+    def _copy_weights(src: list, dst):
+        s = getattr(src[0], "module", src[0]).state_dict()
+        getattr(dst, "module", dst).load_state_dict(s, strict=True)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def _samples(self, groups: list[Group]) -> list[TrainingSample]:
+        return [TrainingSample.from_rollout(r, a, gi) for gi, g in enumerate(groups)
+                for r, a in zip(g.rollouts, g.advantages)]
+
+    def _micro_batches(self, samples: list[TrainingSample], groups: list[Group]):
+        args, cfg = self.args, self.cfg
+        weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length)
+        ids = list(range(len(samples)))
+        per_rank = [[i for i in ids if samples[i].group_index % self.dp == d] for d in range(self.dp)]
+        nmb = max(rows_needed([samples[i] for i in r], args.seq_length, args.micro_batch_size, self.pad_multiple)
+                  for r in per_rank)
+        mine = per_rank[self.dp_rank]
+        routing_shape = None
+        if cfg.routing_replay:
+            shapes = [samples[i].routing.shape[1:] for i in mine if samples[i].routing is not None]
+            routing_shape = shapes[0] if shapes else self._routing_shape()
+        mbs = micro_batches([samples[i] for i in mine], [weights[i] for i in mine], args.seq_length,
+                            args.micro_batch_size, 0, nmb, self.pad_multiple, mine, routing_shape)
+        return mbs, nmb
+
+    def _routing_shape(self):
+        cfgm = getattr(self.model[0], "module", self.model[0]).config
+        layers = sum(cfgm.moe_layer_freq) if isinstance(cfgm.moe_layer_freq, list) else cfgm.num_layers
+        return (layers, cfgm.moe_router_topk)
+
+    def step(self) -> Optional[dict]:
+        args, cfg = self.args, self.cfg
+        timers = {}
+        t = time.perf_counter()
+        admitted = self.ledger.admit(cfg.prompts_per_step)
+        groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
+        if admitted and cfg.sft_warmup:
+            new = reference_groups([self.by_id[p] for p in admitted], self.make_env)
+            for g in new:
+                self.ledger.finish(g)
+            groups += self.ledger.take(len(new))
+        elif admitted:
+            tasks = [self.by_id[p] for p in admitted]
+            episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
+            new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
+                                  seed=args.seed * 1_000_003 + self.iteration * 7919)
+            for g in new:
+                self.ledger.finish(g)
+            self.ledger.take(len(new))
+            self.ledger.log_rollouts(self.iteration + 1, new)
+            groups += new
+        if not groups:
+            return None
+        timers["generate"] = time.perf_counter() - t
+        sampled_tokens = sum(r.response_length for g in groups for r in g.rollouts)
+
+        t = time.perf_counter()
+        samples = self._samples(groups)
+        mbs, nmb = self._micro_batches(samples, groups)
+        metrics = {}
+        if self.reference is not None and not cfg.sft_warmup:
+            ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay)
+            if cfg.loss.kl_estimator == "k1":
+                sums = k1_sums(mbs, ref, len(samples))
+                k = 0
+                for g in groups:
+                    n = len(g.rollouts)
+                    g.advantages = group_advantages(kl_penalised(g.rewards, sums[k:k + n], cfg.loss.kl_beta),
+                                                    cfg.std_normalize).tolist()
+                    k += n
+                metrics["k1 sequence sum"] = float(np.mean(sums))
+                samples = self._samples(groups)
+                mbs, nmb = self._micro_batches(samples, groups)
+            for mb, lp in zip(mbs, ref):
+                if lp is not None:
+                    mb["ref_logprobs"] = lp
+        timers["reference"] = time.perf_counter() - t
+        metrics.update(group_metrics(groups, cfg.max_response_length))
+
+        t = time.perf_counter()
+        if cfg.iterations > 1:
+            for mb, lp in zip(mbs, logprob_pass(self.model, mbs, args, cfg.routing_replay)):
+                if lp is not None:
+                    mb["old_logprobs"] = lp
+        scale = float(nmb * self.dp * self.cp)
+        results = []
+        for _ in range(cfg.iterations):
+            step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay)
+            results.append(train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb))
+            if not results[-1]["skipped"]:
+                self.scheduler.step(increment=args.global_batch_size)
+        metrics.update(rl_forward.pop_metrics())
+        timers["train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.iteration += 1
+        self.publish_weights()
+        timers["weight update"] = time.perf_counter() - t
+        self.ledger.log_trained(self.iteration, groups)
+        trained_tokens = sum(int(s.loss_mask.sum()) for s in samples)
+        metrics.update({f"seconds {k}": v for k, v in timers.items()})
+        metrics["tokens/s sampled"] = sampled_tokens / max(timers["generate"], 1e-9)
+        metrics["tokens/s trained"] = trained_tokens / max(timers["train"], 1e-9)
+        metrics["groups"] = float(len(groups))
+        last = results[-1]
+        return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
+                "skipped": any(r["skipped"] for r in results)}
+
+    def publish_weights(self):
+        """The engine samples with the trainer's own parameters (colocated): only the version moves. An engine
+        holding separate weights gets them through its update_weights."""
+        if self.engine is None:
+            return
+        shared = getattr(self.engine, "model", None) is getattr(self.model[0], "module", self.model[0])
+        if not shared and hasattr(self.engine, "update_weights"):
+            self.engine.update_weights(self.model, version=self.iteration)
+        elif hasattr(self.engine, "weights_version"):
+            self.engine.weights_version = self.iteration
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out success: K samples per task; mean success and pass@K with 95% (Wilson) intervals."""
+        cfg = self.cfg
+        sampling = Sampling(**{**vars(cfg.sampling), "temperature": cfg.eval_temperature, "return_routing": False})
+        episode = EpisodeConfig(cfg.eval_samples, sampling, cfg.max_turns, cfg.max_response_length)
+        groups = generate_groups(cfg.eval_tasks, self.make_env, self.generate, episode, False,
+                                 seed=12345 + self.args.seed)
+        success = np.array([[_success(r) for r in g.rollouts] for g in groups], dtype=np.float64)
+        out = {"heldout success": float(success.mean()), "heldout pass@k": float(success.max(1).mean())}
+        n_s, n_p = success.size, len(groups)
+        out["heldout success ci"] = _wilson(out["heldout success"], n_s)
+        out["heldout pass@k ci"] = _wilson(out["heldout pass@k"], n_p)
+        return out
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def save(self):
+        extra = {"rl_state": {**self.ledger.state_dict(), "reference": self.reference_source}}
+        save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler, extra=extra)
+
+    def train(self) -> int:
+        args, cfg, log = self.args, self.cfg, self.log
+        print_args(args, log)
+        logger = _Logger(args, log)
+        sigterm = _Sigterm()
+        saved_at = self.iteration if args.load else None
+        eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
+        try:
+            if cfg.eval_tasks and cfg.eval_interval and self.iteration == 0:
+                self._eval(logger, eval_log)
+            while self.iteration < args.train_iters:
+                t0 = time.perf_counter()
+                result = self.step()
+                if result is None:
+                    log(f"all {len(self.tasks)} prompts of --rl-prompts trained once: stopping at iteration "
+                        f"{self.iteration}", flush=True)
+                    break
+                logger.step(self.iteration, result, time.perf_counter() - t0, self.optimizer.param_groups[0]["lr"],
+                            0)
+                if cfg.eval_tasks and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                    self._eval(logger, eval_log)
+                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                    self.save()
+                    saved_at = self.iteration
+                if sigterm.any_rank():
+                    log(f"SIGTERM received: saving a checkpoint at iteration {self.iteration} and exiting", flush=True)
+                    break
+                if args.exit_interval and self.iteration % args.exit_interval == 0:
+                    break
+            if args.save and saved_at != self.iteration:
+                self.save()
+            return self.iteration
+        finally:
+            sigterm.restore()
+            logger.close()
+
+    def _eval(self, logger, eval_log):
+        result = self.evaluate()
+        parts = [f" held-out evaluation at iteration {self.iteration}"] + \
+                [f"{k}: {v:.4f}" if not isinstance(v, list) else f"{k}: [{v[0]:.3f}, {v[1]:.3f}]"
+                 for k, v in result.items()]
+        self.log(" | ".join(parts), flush=True)
+        for k, v in result.items():
+            if not isinstance(v, list):
+                logger.scalar(k, v, self.iteration)
+        if eval_log:
+            with open(eval_log, "a") as f:
+                f.write(json.dumps({"iteration": self.iteration, **result}) + "\n")
+
+
+def _success(rollout) -> float:
+    parts = rollout.reward.parts
+    return float(parts.get("exact", rollout.reward.total > 0) >= 1.0) if rollout.reward.error is None else 0.0
+
+
+def _wilson(p: float, n: int, z: float = 1.96) -> list[float]:
+    if n == 0:
+        return [0.0, 1.0]
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
