@@ -23,6 +23,7 @@ from megatron_ext.data.sft import packed_batch
 from megatron_ext.models import context_parallel
 from megatron_ext.mtp import distill
 from megatron_ext.rl.loss import LossConfig, grpo_loss
+from megatron_ext.training import lm
 
 PER_TOKEN_KEYS = ("sampler_logprobs", "advantage", "agg_weight", "sample_ids", "versions", "old_logprobs",
                   "ref_logprobs")
@@ -180,10 +181,13 @@ def local_batch(micro_batch: dict):
     batch = dict(micro_batch)
     routing = batch.pop("routing", None)
     local = {k: batch.pop(k) for k in LOCAL_KEYS if k in batch}
-    batch, packed_seq_params = packed_batch(batch)
+    batch, packed_seq_params = lm.to_device(*packed_batch(batch))
     bounds = context_parallel.document_bounds(batch["tokens"].size(1), packed_seq_params)
     batch = context_parallel.shard_batch(batch, packed_seq_params)
-    batch.update({k: v.reshape(1, -1) for k, v in local.items()})
+    device = batch["tokens"].device
+    batch.update({k: v.reshape(1, -1).to(device) for k, v in local.items()})
+    if routing is not None:
+        routing = routing.to(device)
     return batch, routing, packed_seq_params, bounds
 
 

@@ -34,12 +34,11 @@ class GenerateFn(Protocol):
 
 
 class EngineGenerate:
-    """GenerateFn on the local InferenceEngine. Uses `generate_groups` (one prefill per prompt, forked n ways)
-    when the engine has it, else n copies of each prompt in one batch; per-sample seeds are seed + j either way
-    (seed + i * n + j over the batch), so a step's samples are reproducible."""
+    """GenerateFn on the local InferenceEngine (ENGINE_API): `generate_groups` shares one prefill per prompt;
+    sample j of prompt i draws with seed + i * n + j, so a step's samples are reproducible."""
 
-    def __init__(self, engine, version: Callable[[], int]):
-        self.engine, self.version = engine, version
+    def __init__(self, engine):
+        self.engine = engine
 
     def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
         from megatron_ext.inference.engine import SamplingParams
@@ -48,26 +47,16 @@ class EngineGenerate:
                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
                                 stop_token_ids=tuple(sampling.stop_token_ids),
                                 return_routing=sampling.return_routing)
-        if hasattr(self.engine, "generate_groups"):
-            if sampling.seed is not None:
-                params = [SamplingParams(**{**vars(params), "seed": sampling.seed + i * n}) for i in range(len(prompts))]
-            groups = self.engine.generate_groups(prompts, n, params)
-        else:
-            flat = self.engine.generate([p for p in prompts for _ in range(n)], params)
-            groups = [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        if sampling.seed is not None:
+            params = [SamplingParams(**{**vars(params), "seed": sampling.seed + i * n}) for i in range(len(prompts))]
+        groups = self.engine.generate_groups(prompts, n, params)
         return [[self._sample(c) for c in g] for g in groups]
 
-    def _sample(self, c) -> Sample:
-        n = len(c.token_ids)
-        versions = list(getattr(c, "versions", None) or [self.version()] * n)
-        sampled = getattr(c, "sampled_logprobs", None)
-        routing = getattr(c, "routing", None)
-        if routing is not None and not isinstance(routing, np.ndarray):
-            routing = np.asarray(routing.cpu() if hasattr(routing, "cpu") else routing)
-        if routing is not None and routing.ndim != 3:
-            routing = None  # older engines record decode steps only: not replayable
-        return Sample(list(c.token_ids), list(c.logprobs), list(sampled) if sampled is not None else list(c.logprobs),
-                      versions, c.finish_reason or "length", routing)
+    @staticmethod
+    def _sample(c) -> Sample:
+        routing = None if c.routing is None else c.routing.cpu().numpy()
+        return Sample(list(c.token_ids), list(c.logprobs), list(c.sampled_logprobs), list(c.versions),
+                      c.finish_reason, routing)
 
 
 @dataclass

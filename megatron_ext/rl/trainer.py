@@ -187,10 +187,8 @@ class RLTrainer:
             from megatron_ext.inference.engine import InferenceEngine
             from megatron_ext.rl.rollout import EngineGenerate
 
-            self.engine = InferenceEngine(self.model[0])
-            if hasattr(self.engine, "weights_version"):
-                self.engine.weights_version = self.iteration
-            self.generate = EngineGenerate(self.engine, lambda: self.iteration)
+            self.engine = InferenceEngine(self.model[0], weights_version=self.iteration)
+            self.generate = EngineGenerate(self.engine)
         dp = parallel_state.get_data_parallel_world_size()
         cp = parallel_state.get_context_parallel_world_size()
         self.pad_multiple = 2 * cp if cp > 1 else 1
@@ -307,15 +305,10 @@ class RLTrainer:
                 "skipped": any(r["skipped"] for r in results)}
 
     def publish_weights(self):
-        """The engine samples with the trainer's own parameters (colocated): only the version moves. An engine
-        holding separate weights gets them through its update_weights."""
-        if self.engine is None:
-            return
-        shared = getattr(self.engine, "model", None) is getattr(self.model[0], "module", self.model[0])
-        if not shared and hasattr(self.engine, "update_weights"):
+        """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
+        only the version moves) and tag later tokens with the new version."""
+        if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
-        elif hasattr(self.engine, "weights_version"):
-            self.engine.weights_version = self.iteration
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
