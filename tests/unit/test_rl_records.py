@@ -1,0 +1,174 @@
+"""RL records, the digit environment, episodes with a fake sampler, packing and the exactly-once ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_ext.rl import env as E
+from megatron_ext.rl.batch import micro_batches
+from megatron_ext.rl.ledger import Ledger, group_from_json, group_to_json, trained_counts
+from megatron_ext.rl.rollout import EpisodeConfig, Sampling, reference_groups, run_groups
+from megatron_ext.rl.types import Sample, TrainingSample
+
+
+def fake_generate(answers: dict):
+    """A sampler that answers each prompt from `answers` (by prompt tokens), logprob -0.5 per token, and records
+    the calls it got."""
+    calls = []
+
+    def generate(prompts, n, sampling):
+        calls.append((len(prompts), n, sampling.seed))
+        out = []
+        for p in prompts:
+            group = []
+            for j in range(n):
+                ids = answers(p, j)[: sampling.max_tokens]
+                finish = "stop" if E.VOCAB.eos in ids else "length"
+                group.append(Sample(ids, [-0.5] * len(ids), [-0.4] * len(ids), [3] * len(ids), finish,
+                                    np.full((len(p) + len(ids), 2, 2), j, np.int16)))
+            out.append(group)
+        return out
+
+    return generate, calls
+
+
+def test_digit_tasks_are_deterministic_and_heldout_is_disjoint():
+    a, b = E.digit_tasks("train", 50, seed=3), E.digit_tasks("train", 50, seed=3)
+    assert a == b and len({t["id"] for t in a}) == 50
+    held = E.digit_tasks("heldout", 40, seed=3)
+    pool = {(t["op"], t["input"]) for t in E.digit_tasks("train", 100_000, seed=3)}
+    assert not {(t["op"], t["input"]) for t in held} & pool
+    for t in a:
+        assert t["answer"] == E.OPS[t["op"]](t["input"])
+
+
+def test_rubric_scores_parts_and_records_a_failing_reward():
+    task = {"id": "x", "op": "reverse", "input": "123", "answer": "321"}
+    right = E.VOCAB.encode_digits("321") + [E.VOCAB.eos]
+    wrong = E.VOCAB.encode_digits("331") + [E.VOCAB.eos]
+    rubric = E.Rubric(E.DIGIT_REWARDS, {"exact": 1.0, "char_accuracy": 0.5})
+    assert rubric.score(task, right).total == pytest.approx(1.5)
+    r = rubric.score(task, wrong)
+    assert r.parts == {"exact": 0.0, "char_accuracy": pytest.approx(2 / 3)} and r.total == pytest.approx(1 / 3)
+
+    def broken(task, tokens):
+        raise KeyError("boom")
+
+    failing = E.Rubric({"exact": E.exact, "broken": broken}, {"exact": 1.0, "broken": 1.0})
+    r = failing.score(task, right)
+    assert r.total == 0.0 and "broken: KeyError" in r.error
+    with pytest.raises(ValueError, match="unknown parts"):
+        E.Rubric(E.DIGIT_REWARDS, {"nope": 1.0})
+    assert E.parse_weights("exact=1, char_accuracy=0.2") == {"exact": 1.0, "char_accuracy": 0.2}
+
+
+def test_episodes_keep_sampler_tokens_and_score_groups():
+    tasks = E.digit_tasks("train", 3, seed=1)
+    by_prompt = {tuple(E.prompt_tokens(t)): t for t in tasks}
+
+    def answers(prompt, j):  # sample 0 right, the others wrong
+        t = by_prompt[tuple(prompt)]
+        return E.answer_tokens(t) if j == 0 else E.VOCAB.encode_digits("9" * len(t["answer"])) + [E.VOCAB.eos]
+
+    gen, calls = fake_generate(answers)
+    groups = run_groups(tasks, E.DigitEnv, gen, EpisodeConfig(4, Sampling(max_tokens=10, seed=5)))
+    assert calls == [(3, 4, 5)]  # one call: all prompts, G samples each
+    for t, g in zip(tasks, groups):
+        assert g.prompt_id == t["id"]
+        expected = [1.0] + [float(t["answer"] == "9" * len(t["answer"]))] * 3
+        assert g.rewards == expected
+        r0 = g.rollouts[0]
+        flat = r0.per_token()
+        assert flat["token_ids"].tolist() == E.prompt_tokens(t) + E.answer_tokens(t)
+        assert flat["loss_mask"].tolist() == [0.0] * len(E.prompt_tokens(t)) + [1.0] * len(E.answer_tokens(t))
+        assert flat["versions"].tolist() == [-1] * len(E.prompt_tokens(t)) + [3] * len(E.answer_tokens(t))
+        assert g.advantages == pytest.approx(list(np.array(expected) - np.mean(expected)))
+        assert r0.routing.shape == (len(flat["token_ids"]), 2, 2)
+
+
+class TwoTurnEnv:
+    """Asks twice: the observation after the first answer is [7, 7]; reward = number of model tokens."""
+
+    def reset(self, task):
+        self.turns, self.tokens = 0, []
+        return [1, 2]
+
+    def step(self, model_tokens):
+        self.turns += 1
+        self.tokens += model_tokens
+        return E.StepResult([7, 7], False) if self.turns < 2 else E.StepResult([], True)
+
+    def score(self):
+        return E.Reward({"n": float(len(self.tokens))}, float(len(self.tokens)))
+
+
+def test_multi_turn_appends_turns_to_one_sequence():
+    gen, calls = fake_generate(lambda p, j: [10 + len(p)] * 2)
+    groups = run_groups([{"id": "a"}], TwoTurnEnv, gen, EpisodeConfig(2, Sampling(max_tokens=4, seed=0), max_turns=3))
+    r = groups[0].rollouts[1]
+    # prompt, turn 1 (generated after 2 prompt tokens), observation, turn 2 (after 6 context tokens)
+    assert r.token_ids == [1, 2, 12, 12, 7, 7, 16, 16]
+    assert r.per_token()["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert r.finish_reason == "length" and r.reward.total == 4.0
+    assert calls[0] == (1, 2, 0) and [c[:2] for c in calls[1:]] == [(1, 1), (1, 1)]
+
+
+def test_packing_aligns_labels_and_per_token_fields():
+    tasks = E.digit_tasks("train", 2, seed=0)
+    groups = reference_groups(tasks, E.DigitEnv)
+    samples = [TrainingSample.from_rollout(g.rollouts[0], 0.25 * (i + 1), i) for i, g in enumerate(groups)]
+    weights = [s.loss_mask * 10 for s in samples]
+    mbs = micro_batches(samples, weights, seq_length=32, micro_batch_size=1, pad_id=0, num_microbatches=2,
+                        global_ids=[5, 6])
+    assert len(mbs) == 2
+    row = {k: v[0] for k, v in mbs[0].items()}
+    n = samples[0].positions
+    assert row["tokens"][:n].tolist() == samples[0].token_ids[:-1].tolist()
+    assert row["labels"][:n].tolist() == samples[0].token_ids[1:].tolist()
+    assert row["loss_mask"][:n].tolist() == samples[0].loss_mask[1:].tolist()
+    assert row["agg_weight"][:n].tolist() == (samples[0].loss_mask[1:] * 10).tolist()
+    assert set(row["sample_ids"][:n].tolist()) == {5} and set(row["sample_ids"][n:2 * n + 2].tolist()) <= {6, -1}
+    assert row["advantage"][0] == 0.25
+    cu = row["cu_seqlens"][row["cu_seqlens"] >= 0].tolist()
+    assert cu[0] == 0 and cu[-1] == 32 and n in cu
+    assert float(mbs[1]["loss_mask"].sum()) == 0  # padding micro-batch: nothing trains
+    with pytest.raises(ValueError, match="--seq-length"):
+        micro_batches(samples, weights, seq_length=4, micro_batch_size=1, pad_id=0)
+
+
+def test_ledger_state_round_trip_and_log_reconcile(tmp_path):
+    tasks = E.digit_tasks("train", 5, seed=0)
+    ids = [t["id"] for t in tasks]
+    led = Ledger(ids, str(tmp_path))
+    assert led.admit(2) == ids[:2]
+    groups = reference_groups(tasks[:2], E.DigitEnv)
+    led.finish(groups[0])  # the second stays in flight, the first is pending
+    state = json.loads(json.dumps(led.state_dict()))  # what goes into the checkpoint must be plain data
+    again = Ledger(ids, str(tmp_path))
+    again.load_state_dict(state)
+    assert again.cursor == 2 and again.in_flight == [ids[1]]
+    assert group_to_json(again.pending[0]) == group_to_json(groups[0])
+    assert again.admit(2) == [ids[1], ids[2]]  # the in-flight prompt is generated again, first
+    # logs: steps after the checkpoint are dropped on resume, as is a torn last line
+    led.log_trained(1, groups[:1])
+    led.log_trained(2, groups[1:])
+    with open(os.path.join(tmp_path, "trained_groups.jsonl"), "a") as f:
+        f.write('{"prompt_id": "torn')
+    led.reconcile(1)
+    assert trained_counts(str(tmp_path)) == {ids[0]: 1}
+    with pytest.raises(ValueError, match="same prompt file"):
+        Ledger(ids[:3]).load_state_dict(state)
+    rt = group_from_json(group_to_json(groups[1]))
+    assert rt.rollouts[0].token_ids == groups[1].rollouts[0].token_ids
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "op": "copy", "input": "1", "answer": "1"}\n{"id": "a", "op": "copy", "input": "2", '
+                 '"answer": "2"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:2: duplicate prompt id 'a'"):
+        E.read_prompts(str(p))
