@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,6 +40,7 @@ from megatron_ext.rl.ledger import Ledger
 from megatron_ext.rl.loss import LossConfig, aggregation_weights
 from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, reference_groups, run_groups
 from megatron_ext.rl.types import Group, TrainingSample
+from megatron_ext.training import checkpointing
 from megatron_ext.training.checkpointing import load_checkpoint, load_weights, save_checkpoint
 from megatron_ext.training.loop import _Logger, _Sigterm, print_args
 from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
@@ -172,7 +174,7 @@ class RLTrainer:
                     self.ledger.reconcile(self.iteration)
                 log(f"RL state: cursor {self.ledger.cursor}/{len(tasks)}, {len(self.ledger.in_flight)} prompts in "
                     f"flight, {len(self.ledger.pending)} finished groups pending")
-            else:
+            elif common:  # a run starting from a (pretrained / SFT) checkpoint: that is the reference
                 self.reference_source = args.load
         if cfg.reference_load:
             self.reference_source = cfg.reference_load
@@ -242,6 +244,7 @@ class RLTrainer:
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
                                   seed=args.seed * 1_000_003 + self.iteration * 7919)
+            _fault("generating", self.iteration)  # groups generated, still in flight
             for g in new:
                 self.ledger.finish(g)
             self.ledger.take(len(new))
@@ -295,6 +298,7 @@ class RLTrainer:
         self.publish_weights()
         timers["weight update"] = time.perf_counter() - t
         self.ledger.log_trained(self.iteration, groups)
+        _fault("trained", self.iteration)  # logged as trained, not yet saved
         trained_tokens = sum(int(s.loss_mask.sum()) for s in samples)
         metrics.update({f"seconds {k}": v for k, v in timers.items()})
         metrics["tokens/s sampled"] = sampled_tokens / max(timers["generate"], 1e-9)
@@ -328,6 +332,8 @@ class RLTrainer:
     # ---- the loop ------------------------------------------------------------------------------------------------
     def save(self):
         extra = {"rl_state": {**self.ledger.state_dict(), "reference": self.reference_source}}
+        if os.environ.get(FAULT_ENV) == f"saving:{self.iteration}":  # every shard written, not yet published
+            checkpointing.publish = lambda *a, **k: _fault("saving", self.iteration)
         save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler, extra=extra)
 
     def train(self) -> int:
@@ -378,6 +384,16 @@ class RLTrainer:
         if eval_log:
             with open(eval_log, "a") as f:
                 f.write(json.dumps({"iteration": self.iteration, **result}) + "\n")
+
+
+FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
+
+
+def _fault(point: str, iteration: int):
+    """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
+    (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION."""
+    if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _success(rollout) -> float:
