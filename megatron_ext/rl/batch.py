@@ -43,7 +43,9 @@ def build_row(samples: list[TrainingSample], members: list[int], weights: list[n
     row.update({k: np.zeros(s, np.float32) for k in FLOAT_FIELDS})
     routing = None
     if routing_shape is not None:
-        routing = np.zeros((s, *routing_shape), np.int64)
+        # padding positions route to experts 0..k-1: any k distinct experts (a repeated one would leave the
+        # token with fewer than k and unbalance the tensor-parallel token exchange)
+        routing = np.broadcast_to(np.arange(routing_shape[-1]), (s, *routing_shape)).astype(np.int64)
     bounds = [0]
     for i in members:
         smp, lo, n = samples[i], bounds[-1], samples[i].positions
@@ -77,20 +79,31 @@ def build_row(samples: list[TrainingSample], members: list[int], weights: list[n
 def micro_batches(samples: list[TrainingSample], weights: list[np.ndarray], seq_length: int, micro_batch_size: int,
                   pad_id: int, num_microbatches: int | None = None, pad_multiple: int = 1,
                   global_ids: list[int] | None = None, routing_shape=None) -> list[dict[str, torch.Tensor]]:
-    """This rank's samples as `num_microbatches` micro-batches of `micro_batch_size` packed rows (at least as many
-    as the rows need; missing rows are fully masked padding, so every rank can run the same count)."""
+    """This rank's samples as `num_microbatches` micro-batches of `micro_batch_size` packed rows.
+
+    Every rank of a step must run the same number of micro-batches (expert-parallel all-to-alls, pipeline
+    schedules), so a rank whose samples fill fewer spreads them out: rows are split (down to one sample each)
+    until every micro-batch has at least one, and dealt to micro-batches round-robin. A micro-batch without any
+    trainable token would make Megatron-Core's logged MTP cross-entropy 0/0; only a rank with fewer samples than
+    micro-batches gets one."""
     rows = rows_of(samples, seq_length, pad_multiple) if samples else []
     needed = -(-len(rows) // micro_batch_size)
     if num_microbatches is None:
         num_microbatches = max(needed, 1)
     if needed > num_microbatches:
         raise ValueError(f"{len(rows)} rows need {needed} micro-batches, more than {num_microbatches}")
+    while len(rows) < num_microbatches and any(len(r) > 1 for r in rows):
+        widest = max(range(len(rows)), key=lambda i: len(rows[i]))
+        rows.append([rows[widest].pop()])
+    slots = [rows[m::num_microbatches] for m in range(num_microbatches)]
     max_documents = max([len(r) for r in rows] + [0]) + 1
-    rows += [[] for _ in range(num_microbatches * micro_batch_size - len(rows))]
-    built = [build_row(samples, r, weights, seq_length, pad_id, max_documents, pad_multiple, global_ids,
-                       routing_shape) for r in rows]
-    return [{k: torch.stack([b[k] for b in built[m * micro_batch_size:(m + 1) * micro_batch_size]])
-             for k in built[0]} for m in range(num_microbatches)]
+    out = []
+    for slot in slots:
+        slot = slot + [[] for _ in range(micro_batch_size - len(slot))]
+        built = [build_row(samples, r, weights, seq_length, pad_id, max_documents, pad_multiple, global_ids,
+                           routing_shape) for r in slot]
+        out.append({k: torch.stack([b[k] for b in built]) for k in built[0]})
+    return out
 
 
 def rows_needed(samples: list[TrainingSample], seq_length: int, micro_batch_size: int, pad_multiple: int = 1) -> int:

@@ -211,7 +211,7 @@ class RLTrainer:
         args, cfg = self.args, self.cfg
         weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length)
         ids = list(range(len(samples)))
-        per_rank = [[i for i in ids if samples[i].group_index % self.dp == d] for d in range(self.dp)]
+        per_rank = [ids[d::self.dp] for d in range(self.dp)]  # samples dealt round-robin: balanced ranks
         nmb = max(rows_needed([samples[i] for i in r], args.seq_length, args.micro_batch_size, self.pad_multiple)
                   for r in per_rank)
         mine = per_rank[self.dp_rank]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed.harness import _free_port, join
 
-BASE = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--lr", "1e-3",
+BASE = ["--model", "tiny", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3",
         "--seed", "7", "--rl-prompts", "unused", "--rl-routing-replay", "--mtp-detach-trunk"]
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -36,7 +36,7 @@ def _samples():
     out = []
     for gi, g in enumerate(reference_groups(digit_tasks("train", 8, seed=2), DigitEnv)):
         s = TrainingSample.from_rollout(g.rollouts[0], float(rng.uniform(-1, 1)), gi)
-        s.logprobs = np.where(s.loss_mask > 0, rng.uniform(-4, -0.5, len(s.logprobs)), 0).astype(np.float32)
+        s.logprobs = np.where(s.loss_mask > 0, rng.uniform(-6.0, -4.0, len(s.logprobs)), 0).astype(np.float32)
         # three MoE layers, top-2 of 8 experts, distinct per token
         s.routing = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(3)])
                               for _ in range(len(s.token_ids))]).astype(np.int16)
@@ -51,7 +51,7 @@ def _micro_batches(dp: int, dp_rank: int):
     samples = _samples()
     weights = aggregation_weights("constant", [s.loss_mask for s in samples], 16)
     slots = [[i for i, s in enumerate(samples) if s.group_index % DP_SPLIT == d] for d in range(DP_SPLIT)]
-    per_slot = [micro_batches([samples[i] for i in r], [weights[i] for i in r], 64, 2, 0, 2, 1, r, (3, 2))
+    per_slot = [micro_batches([samples[i] for i in r], [weights[i] for i in r], 32, 1, 0, 2, 1, r, (3, 2))
                 for r in slots]
     rng = np.random.RandomState(1)
     import torch

@@ -135,7 +135,10 @@ def test_packing_aligns_labels_and_per_token_fields():
     assert row["advantage"][0] == 0.25
     cu = row["cu_seqlens"][row["cu_seqlens"] >= 0].tolist()
     assert cu[0] == 0 and cu[-1] == 32 and n in cu
-    assert float(mbs[1]["loss_mask"].sum()) == 0  # padding micro-batch: nothing trains
+    # two micro-batches wanted, one row's worth of samples: the row is split so both micro-batches train
+    assert [float(mb["loss_mask"].sum()) for mb in mbs] == [float(s.loss_mask[1:].sum()) for s in samples]
+    one = micro_batches(samples, weights, seq_length=32, micro_batch_size=1, pad_id=0, global_ids=[5, 6])
+    assert len(one) == 1 and one[0]["sample_ids"][0].tolist().count(6) == samples[1].positions
     with pytest.raises(ValueError, match="--seq-length"):
         micro_batches(samples, weights, seq_length=4, micro_batch_size=1, pad_id=0)
 
