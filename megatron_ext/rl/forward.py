@@ -17,6 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_ext.data.sft import packed_batch
@@ -31,6 +32,7 @@ PER_TOKEN_KEYS = ("sampler_logprobs", "advantage", "agg_weight", "sample_ids", "
 # Step statistics: name -> [sum, count] (token means) and name -> max, reset by pop_metrics().
 _SUMS: dict[str, torch.Tensor] = {}
 _MAX: dict[str, torch.Tensor] = {}
+TP_SPLIT_METRICS = ("routing replay agreement",)
 
 
 def _add(name: str, values: torch.Tensor, mask: torch.Tensor):
@@ -59,9 +61,10 @@ def pop_metrics() -> dict[str, float]:
         else None
     out = {}
     if sums is not None:
-        # every tensor-parallel rank holds the same values: count each data/context/pipeline slot once
+        # tensor-parallel ranks hold the same loss values: count each data/context/pipeline slot once; routers
+        # under sequence parallelism see different tokens on each tensor-parallel rank: count them all
         if parallel_state.get_tensor_model_parallel_rank() != 0:
-            sums = torch.zeros_like(sums)
+            sums = sums * torch.tensor([[float(n in TP_SPLIT_METRICS)] for n in names], dtype=sums.dtype)
         dist.all_reduce(sums)
         out.update({n: float(s[0] / s[1]) if s[1] > 0 else 0.0 for n, s in zip(names, sums)})
     if maxes is not None:
@@ -106,7 +109,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     return distill._tp_sum(-(logp.exp() * logp).sum(-1))
 
 
-def _decoder_replays(model: torch.nn.Module) -> list:
+def _decoder_routers(model: torch.nn.Module) -> list:
     chunk = getattr(model, "module", model)
     out = []
     for layer in chunk.decoder.layers:
@@ -114,8 +117,25 @@ def _decoder_replays(model: torch.nn.Module) -> list:
         if router is not None:
             if router.router_replay is None:
                 raise ValueError("--rl-routing-replay needs the model built with moe_enable_routing_replay")
-            out.append(router.router_replay)
+            out.append(router)
     return out
+
+
+@torch.no_grad()
+def _agreement_hook(router, inputs):
+    """Before a replayed routing: the fraction of the sampler's expert choices the trainer's router would make
+    itself (its own top-k on this forward's scores), recorded as 'routing replay agreement'."""
+    target = router.router_replay.target_topk_idx
+    if target is None:
+        return
+    logits = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
+    cfg = router.config
+    _, own = topk_routing_with_score_function(
+        logits.float(), router.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+        group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+        score_function=router.score_function, expert_bias=router.expert_bias)
+    hits = own.gather(1, target.to(own.device).long()).float()
+    _add("routing replay agreement", hits.mean(1), router._rl_valid.to(hits.device).float())
 
 
 def moe_layer_offset(model: torch.nn.Module) -> int:
@@ -127,9 +147,16 @@ def moe_layer_offset(model: torch.nn.Module) -> int:
     return int(sum(pattern[:first]))
 
 
-def set_replay(model: torch.nn.Module, routing: torch.Tensor | None):
-    """Replay `routing` [T, moe_layers, topk] (this rank's input positions) in the decoder's routers, or stop."""
-    replays = _decoder_replays(model)
+def set_replay(model: torch.nn.Module, routing: torch.Tensor | None, valid: torch.Tensor | None = None):
+    """Replay `routing` [T, moe_layers, topk] (this rank's input positions) in the decoder's routers, or stop.
+    With `valid` [T] (positions holding a sample, not padding), also measure the routing agreement."""
+    routers = _decoder_routers(model)
+    for router in routers:
+        handle = getattr(router, "_rl_agreement_hook", None)
+        if handle is not None:
+            handle.remove()
+            router._rl_agreement_hook = None
+    replays = [router.router_replay for router in routers]
     if routing is None:
         for r in replays:
             r.clear_indices()
@@ -142,10 +169,15 @@ def set_replay(model: torch.nn.Module, routing: torch.Tensor | None):
         n = routing.size(0) // tp
         rank = parallel_state.get_tensor_model_parallel_rank()
         routing = routing[rank * n:(rank + 1) * n]
+        valid = None if valid is None else valid[rank * n:(rank + 1) * n]
     for k, r in enumerate(replays):
         r.clear_indices()
         r.set_target_indices(routing[:, offset + k].long().contiguous())
         r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    if valid is not None:
+        for router in routers:
+            router._rl_valid = valid
+            router._rl_agreement_hook = router.register_forward_pre_hook(_agreement_hook)
 
 
 def loss_func(batch: dict, cfg: LossConfig, capture: _MainLogits, scale: float, output_tensor: torch.Tensor):
@@ -200,7 +232,7 @@ def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_re
         routing = routing.reshape(-1, *routing.shape[2:])
         if context_parallel.cp_size() > 1:
             routing = routing.index_select(0, context_parallel.local_index(bounds).to(routing.device))
-        set_replay(model, routing)
+        set_replay(model, routing, valid=batch["sample_ids"].view(-1) >= 0)
     capture = _MainLogits(model)
     with capture:
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],

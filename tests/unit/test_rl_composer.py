@@ -131,3 +131,15 @@ def test_exactly_once_after_kill_between_training_and_save(tmp_path):
 @pytest.mark.slow
 def test_exactly_once_after_kills_mid_generation_and_mid_save(tmp_path):
     _exactly_once(tmp_path, ["generating:1", "trained:3", "saving:4"])
+
+
+def test_routing_replay_trains_on_the_samplers_experts(tmp_path):
+    """The engine records every token's experts; the trainer replays them. Same weights: the trainer's own top-k
+    agrees with the replayed experts, and the log-probabilities agree as without replay."""
+    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--train-iters", "2", "--rl-routing-replay"])
+    lines = [line for line in p.stdout.splitlines() if "routing replay agreement" in line]
+    assert len(lines) == 2
+    for line in lines:
+        agreement = float(line.split("routing replay agreement: ")[1].split()[0])
+        mismatch = float(line.split("mismatch_max: ")[1].split()[0])
+        assert agreement > 0.999 and mismatch < 1e-4, line
