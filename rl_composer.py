@@ -27,6 +27,7 @@ from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, Di
 from megatron_ext.rl.trainer import RLConfig, RLTrainer
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
+from megatron_ext.training.loop import TrainingAborted
 
 
 def data_provider(args):
@@ -76,7 +77,7 @@ def main(argv=None):
     try:
         trainer = RLTrainer(args, cfg, tasks, make_env, log=log)
         trainer.train()
-    except CheckpointError as e:
+    except (TrainingAborted, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         destroy()
         return 1

@@ -42,24 +42,25 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/rl_learning")
     p.add_argument("--sft-iters", type=int, default=800)
-    p.add_argument("--sft-lr", type=float, default=1e-2)
+    p.add_argument("--sft-lr", type=float, default=5e-3)
+    p.add_argument("--ops", nargs="+", default=["copy", "reverse"], help="digit operations of the task family")
     p.add_argument("--rl-iters", type=int, default=80)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=8)
     p.add_argument("--heldout", type=int, default=100)
-    p.add_argument("--rl-lr", type=float, default=3e-3)
+    p.add_argument("--rl-lr", type=float, default=2e-3)
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "rl_learning.png"))
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     # prompts: digit tasks of 2-4 digits; SFT and RL take disjoint slices of the training stream
     n_sft, n_rl = a.sft_iters * 32, a.rl_iters * a.prompts_per_step
-    train = digit_tasks("train", n_sft + n_rl, seed=1, min_len=2, max_len=4)
+    train = digit_tasks("train", n_sft + n_rl, seed=1, ops=a.ops, min_len=2, max_len=4)
     files = {name: os.path.join(a.out, f"{name}.jsonl") for name in ("sft", "rl", "heldout")}
     write_prompts(files["sft"], train[:n_sft])
     write_prompts(files["rl"], train[n_sft:])
-    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, min_len=2, max_len=4))
+    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, ops=a.ops, min_len=2, max_len=4))
     sft_ckpt, sft_logs = os.path.join(a.out, "sft"), os.path.join(a.out, "sft_logs")
     rl_ckpt, rl_logs = os.path.join(a.out, "rl"), os.path.join(a.out, "rl_logs")
     evaluation = ["--rl-eval-prompts", files["heldout"], "--rl-eval-samples", str(a.eval_samples)]
@@ -76,7 +77,7 @@ def main(argv=None):
          "--rl-reward-weights", "exact=1,char_accuracy=0.5", *evaluation, "--rl-eval-interval", str(a.eval_interval),
          "--log-interval", "1"], os.path.join(a.out, "rl.log"))
     curve = evals(rl_logs)
-    print("| RL step | held-out success (95% CI) | pass@%d (95%% CI) |" % a.eval_samples)
+    print(f"| RL step | held-out success (95% CI) | pass@{a.eval_samples} (95% CI) |")
     print("|---|---|---|")
     for e in curve:
         s, sc, k, kc = e["heldout success"], e["heldout success ci"], e["heldout pass@k"], e["heldout pass@k ci"]

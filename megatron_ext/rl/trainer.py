@@ -42,7 +42,7 @@ from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, referen
 from megatron_ext.rl.types import Group, TrainingSample
 from megatron_ext.training import checkpointing
 from megatron_ext.training.checkpointing import load_checkpoint, load_weights, save_checkpoint
-from megatron_ext.training.loop import _Logger, _Sigterm, print_args
+from megatron_ext.training.loop import TrainingAborted, _Logger, _Sigterm, print_args
 from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
     train_step
 
@@ -342,6 +342,7 @@ class RLTrainer:
         logger = _Logger(args, log)
         sigterm = _Sigterm()
         saved_at = self.iteration if args.load else None
+        skipped_total = skipped_in_row = 0
         eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
         try:
             if cfg.eval_tasks and cfg.eval_interval and self.iteration == 0:
@@ -353,8 +354,15 @@ class RLTrainer:
                     log(f"all {len(self.tasks)} prompts of --rl-prompts trained once: stopping at iteration "
                         f"{self.iteration}", flush=True)
                     break
+                skipped_in_row = skipped_in_row + 1 if result["skipped"] else 0
+                skipped_total += int(result["skipped"])
                 logger.step(self.iteration, result, time.perf_counter() - t0, self.optimizer.param_groups[0]["lr"],
-                            0)
+                            skipped_total)
+                if skipped_in_row >= args.max_skipped:
+                    raise TrainingAborted(
+                        f"iteration {self.iteration}: {skipped_in_row} consecutive RL steps had a NaN/Inf loss or "
+                        f"gradient norm (--max-skipped {args.max_skipped}); resume from the last checkpoint with a "
+                        "lower --lr, or look at these steps' rollouts in --rl-log-dir")
                 if cfg.eval_tasks and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                     self._eval(logger, eval_log)
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
