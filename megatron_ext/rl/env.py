@@ -7,7 +7,7 @@ part that raises makes the sample score as failed (total 0) with the error recor
 
 Digit tasks (`DigitTasks`): "reverse", "sort" or "copy" a short digit string, answer checked exactly. A tiny model
 learns them in minutes on a CPU; the generator is deterministic (task i of a split is a function of the seed and
-i) and the held-out split draws from a disjoint seed stream, with any string seen in training excluded.
+i) and the two splits partition the task space by a hash of (op, input).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import traceback
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -168,29 +169,30 @@ def _draw(rng: random.Random, ops: list[str], min_len: int, max_len: int) -> tup
     return op, digits
 
 
+def is_heldout(op: str, digits: str) -> bool:
+    """The held-out part of the task space: a fixed tenth of all (op, input) pairs, by hash."""
+    return zlib.crc32(f"{op}:{digits}".encode()) % 10 == 0
+
+
 def digit_tasks(split: str, count: int, seed: int = 0, ops: Optional[list[str]] = None, min_len: int = 3,
                 max_len: int = 6) -> list[dict]:
     """`count` tasks of a split ('train' or 'heldout'), each {'id', 'op', 'input', 'answer'}; deterministic.
 
-    Held-out tasks come from their own seed stream and never repeat an (op, input) pair of the first
-    `count`-independent pool of training tasks drawn with the same seed (up to 100,000 of them)."""
+    The splits partition the task space (`is_heldout`), so held-out tasks never occur in training and follow the
+    same distribution of operations and lengths (up to the one-in-ten subsampling)."""
     ops = ops or list(OPS)
     for op in ops:
         if op not in OPS:
             raise ValueError(f"unknown digit op {op!r}; known: {sorted(OPS)}")
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if split == "train":
-        rng = random.Random(f"digits-train-{seed}")
-        pairs = [_draw(rng, ops, min_len, max_len) for _ in range(count)]
-    else:
-        train_rng = random.Random(f"digits-train-{seed}")
-        seen = {_draw(train_rng, ops, min_len, max_len) for _ in range(100_000)}
-        rng, pairs = random.Random(f"digits-heldout-{seed}"), []
-        while len(pairs) < count:
-            pair = _draw(rng, ops, min_len, max_len)
-            if pair not in seen:
-                pairs.append(pair)
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"digit lengths need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    rng, pairs, want = random.Random(f"digits-{split}-{seed}"), [], split == "heldout"
+    while len(pairs) < count:
+        pair = _draw(rng, ops, min_len, max_len)
+        if is_heldout(*pair) == want:
+            pairs.append(pair)
     return [{"id": f"{split}-{seed}-{i}", "op": op, "input": s, "answer": OPS[op](s)}
             for i, (op, s) in enumerate(pairs)]
 

@@ -40,8 +40,11 @@ def test_digit_tasks_are_deterministic_and_heldout_is_disjoint():
     a, b = E.digit_tasks("train", 50, seed=3), E.digit_tasks("train", 50, seed=3)
     assert a == b and len({t["id"] for t in a}) == 50
     held = E.digit_tasks("heldout", 40, seed=3)
-    pool = {(t["op"], t["input"]) for t in E.digit_tasks("train", 100_000, seed=3)}
+    pool = {(t["op"], t["input"]) for t in E.digit_tasks("train", 20_000, seed=3, min_len=2, max_len=3)}
+    assert len(pool) > 1500  # nearly all of the 2 x 1100 short pairs, minus the held-out tenth
     assert not {(t["op"], t["input"]) for t in held} & pool
+    assert all(E.is_heldout(t["op"], t["input"]) for t in held)
+    assert {len(t["input"]) for t in held} == {3, 4, 5, 6}  # the same lengths as training, not only rare ones
     for t in a:
         assert t["answer"] == E.OPS[t["op"]](t["input"])
 
