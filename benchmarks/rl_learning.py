@@ -22,8 +22,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_ext.rl.env import digit_tasks, write_prompts  # noqa: E402
 
-MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "8",
-         "--grpo-max-response-length", "6"]
+MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "8"]
 
 
 def run(cmd, log_path):
@@ -43,6 +42,8 @@ def main(argv=None):
     p.add_argument("--out", default="runs/rl_learning")
     p.add_argument("--sft-iters", type=int, default=800)
     p.add_argument("--sft-lr", type=float, default=5e-3)
+    p.add_argument("--min-len", type=int, default=2)
+    p.add_argument("--max-len", type=int, default=4)
     p.add_argument("--ops", nargs="+", default=["copy", "reverse"], help="digit operations of the task family")
     p.add_argument("--rl-iters", type=int, default=80)
     p.add_argument("--group-size", type=int, default=8)
@@ -54,24 +55,25 @@ def main(argv=None):
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "rl_learning.png"))
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    model = MODEL + ["--grpo-max-response-length", str(a.max_len + 2)]  # the answer, <eos>, one spare
     # prompts: digit tasks of 2-4 digits; SFT and RL take disjoint slices of the training stream
     n_sft, n_rl = a.sft_iters * 32, a.rl_iters * a.prompts_per_step
-    train = digit_tasks("train", n_sft + n_rl, seed=1, ops=a.ops, min_len=2, max_len=4)
+    train = digit_tasks("train", n_sft + n_rl, seed=1, ops=a.ops, min_len=a.min_len, max_len=a.max_len)
     files = {name: os.path.join(a.out, f"{name}.jsonl") for name in ("sft", "rl", "heldout")}
     write_prompts(files["sft"], train[:n_sft])
     write_prompts(files["rl"], train[n_sft:])
-    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, ops=a.ops, min_len=2, max_len=4))
+    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, ops=a.ops, min_len=a.min_len, max_len=a.max_len))
     sft_ckpt, sft_logs = os.path.join(a.out, "sft"), os.path.join(a.out, "sft_logs")
     rl_ckpt, rl_logs = os.path.join(a.out, "rl"), os.path.join(a.out, "rl_logs")
     evaluation = ["--rl-eval-prompts", files["heldout"], "--rl-eval-samples", str(a.eval_samples)]
     if not os.path.exists(os.path.join(sft_ckpt, "latest_checkpointed_iteration.txt")):
-        run([sys.executable, "-W", "ignore", "rl_composer.py", *MODEL, "--rl-prompts", files["sft"], "--rl-sft-warmup",
+        run([sys.executable, "-W", "ignore", "rl_composer.py", *model, "--rl-prompts", files["sft"], "--rl-sft-warmup",
              "--grpo-prompts-per-step", "32", "--train-iters", str(a.sft_iters), "--lr", str(a.sft_lr),
              "--lr-decay-style", "constant", "--grpo-kl-beta", "0", "--save", sft_ckpt, "--rl-log-dir", sft_logs,
              *evaluation, "--rl-eval-interval", str(a.sft_iters), "--log-interval", "50"],
             os.path.join(a.out, "sft.log"))
     run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "rl_composer.py", *MODEL, "--load", sft_ckpt, "--finetune", "--save", rl_ckpt, "--rl-prompts", files["rl"],
+         "rl_composer.py", *model, "--load", sft_ckpt, "--finetune", "--save", rl_ckpt, "--rl-prompts", files["rl"],
          "--rl-log-dir", rl_logs, "--train-iters", str(a.rl_iters), "--lr", str(a.rl_lr), "--lr-decay-style",
          "constant", "--grpo-group-size", str(a.group_size), "--grpo-prompts-per-step", str(a.prompts_per_step),
          "--rl-reward-weights", "exact=1,char_accuracy=0.5", *evaluation, "--rl-eval-interval", str(a.eval_interval),
