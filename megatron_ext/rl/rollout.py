@@ -8,7 +8,7 @@ environment segments, the sampler's tokens as model segments, exactly as produce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import numpy as np

@@ -134,7 +134,7 @@ def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int
     return total.numpy()
 
 
-def group_metrics(groups: list[Group], max_response_length: int) -> dict[str, float]:
+def group_metrics(groups: list[Group]) -> dict[str, float]:
     rewards = np.array([r for g in groups for r in g.rewards])
     adv = np.array([a for g in groups for a in g.advantages])
     lengths = np.array([r.response_length for g in groups for r in g.rollouts])
@@ -207,7 +207,7 @@ class RLTrainer:
         return [TrainingSample.from_rollout(r, a, gi) for gi, g in enumerate(groups)
                 for r, a in zip(g.rollouts, g.advantages)]
 
-    def _micro_batches(self, samples: list[TrainingSample], groups: list[Group]):
+    def _micro_batches(self, samples: list[TrainingSample]):
         args, cfg = self.args, self.cfg
         weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length)
         ids = list(range(len(samples)))
@@ -257,7 +257,7 @@ class RLTrainer:
 
         t = time.perf_counter()
         samples = self._samples(groups)
-        mbs, nmb = self._micro_batches(samples, groups)
+        mbs, nmb = self._micro_batches(samples)
         metrics = {}
         if self.reference is not None and not cfg.sft_warmup:
             ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay)
@@ -271,12 +271,12 @@ class RLTrainer:
                     k += n
                 metrics["k1 sequence sum"] = float(np.mean(sums))
                 samples = self._samples(groups)
-                mbs, nmb = self._micro_batches(samples, groups)
+                mbs, nmb = self._micro_batches(samples)
             for mb, lp in zip(mbs, ref):
                 if lp is not None:
                     mb["ref_logprobs"] = lp
         timers["reference"] = time.perf_counter() - t
-        metrics.update(group_metrics(groups, cfg.max_response_length))
+        metrics.update(group_metrics(groups))
 
         t = time.perf_counter()
         if cfg.iterations > 1:
