@@ -52,10 +52,11 @@ def main(argv=None):
     p.add_argument("--eval-samples", type=int, default=8)
     p.add_argument("--heldout", type=int, default=100)
     p.add_argument("--rl-lr", type=float, default=2e-3)
+    p.add_argument("--model-flags", default="", help="extra architecture flags, e.g. '--hidden-size 128'")
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "rl_learning.png"))
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    model = MODEL + ["--grpo-max-response-length", str(a.max_len + 2)]  # the answer, <eos>, one spare
+    model = MODEL + a.model_flags.split() + ["--grpo-max-response-length", str(a.max_len + 2)]  # the answer, <eos>, one spare
     # prompts: digit tasks of 2-4 digits; SFT and RL take disjoint slices of the training stream
     n_sft, n_rl = a.sft_iters * 32, a.rl_iters * a.prompts_per_step
     train = digit_tasks("train", n_sft + n_rl, seed=1, ops=a.ops, min_len=a.min_len, max_len=a.max_len)
