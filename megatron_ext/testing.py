@@ -9,6 +9,7 @@ the values that slice has in the one-rank model.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
@@ -50,3 +51,56 @@ def _sharded_tensors(sharded_state_dict):
             yield from _sharded_tensors(item.build())
         elif isinstance(item, ShardedTensor):
             yield item
+
+
+# --------------------------------------------------------------------------------------------------------
+# Device placement on a machine without a GPU
+# --------------------------------------------------------------------------------------------------------
+
+
+class DevicePlacementError(RuntimeError):
+    """A host tensor met a device tensor: on a GPU this op would fail (or silently copy every step)."""
+
+
+class _MetaIsTheGpu(torch.overrides.TorchFunctionMode):
+    """'cuda' means the meta device; any op whose tensor arguments (0-d ones aside, as in torch) lie on both the
+    host and the meta device raises DevicePlacementError naming the op and the tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils import _pytree as pytree
+
+        from megatron_ext import platform
+
+        kwargs = kwargs or {}
+        meta = torch.device("meta")
+        if kwargs.get("device") is not None and platform._is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=meta)
+        if func is torch.Tensor.cuda:
+            return args[0].to(meta)
+        if func is torch.Tensor.to and len(args) > 1 and platform._is_cuda_device(args[1]):
+            args = (args[0], meta) + tuple(args[2:])
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        kinds = {t.device.type for t in tensors if t.dim() > 0}
+        if "meta" in kinds and "cpu" in kinds:
+            where = ", ".join(f"{tuple(t.shape)} on {t.device.type}" for t in tensors)
+            raise DevicePlacementError(f"{getattr(func, '__qualname__', func)}: host and device tensors meet "
+                                       f"({where})")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device_as_gpu():
+    """Run code as if the meta device were the GPU: `platform.device()` and `torch.cuda.current_device()` say
+    meta, CUDA device arguments become meta, and a host tensor meeting a device tensor raises. Build the model
+    inside ``with torch.device("meta")``. Ops without meta kernels (data-dependent shapes such as the MoE
+    dispatcher's `masked_select`, or reading values with `.item()`) cannot run this way."""
+    from megatron_ext import platform
+
+    saved = platform.device, torch.cuda.current_device
+    platform.device = lambda: torch.device("meta")
+    torch.cuda.current_device = lambda: torch.device("meta")
+    try:
+        with _MetaIsTheGpu():
+            yield
+    finally:
+        platform.device, torch.cuda.current_device = saved

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_ext import platform
 from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.training.step import build_scheduler, eval_step, setup_model_and_optimizer, train_step
 
@@ -43,7 +44,8 @@ class _Sigterm:
         self.received = True
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0])
+        # On the process group's device: NCCL rejects host tensors.
+        flag = torch.tensor([1.0 if self.received else 0.0], device=platform.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

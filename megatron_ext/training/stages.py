@@ -131,6 +131,7 @@ def window_loss(flags: list[str], path: str, batches) -> float:
     batches: how YaRN changes what a model does at the context it was trained for."""
     import torch
 
+    from megatron_ext import platform
     from megatron_ext.arguments import parse_args
     from megatron_ext.training.checkpointing import load_weights
     from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -145,7 +146,8 @@ def window_loss(flags: list[str], path: str, batches) -> float:
         total, count = 0.0, 0
         with torch.no_grad():
             for tokens, labels in batches:
-                position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
+                tokens, labels = tokens.to(platform.device()), labels.to(platform.device())
+                position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
                 losses = model[0](tokens, position_ids, None, labels=labels)
                 total, count = total + float(losses.sum()), count + losses.numel()
         return total / count
