@@ -44,3 +44,8 @@ def to_device(batch: dict, device: torch.device | None = None) -> dict:
 
 
 HOST_KEYS = ("cu_seqlens",)
+
+
+def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """Stack per-sample tensors into [micro_batch, ...]; every sample of a source has the same keys and shapes."""
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
