@@ -11,6 +11,7 @@ from megatron_ext.arguments import parse_args
 from megatron_ext.data import batches
 from megatron_ext.data.sft import packed_batch
 from megatron_ext.models.provider import model_provider
+from megatron_ext.mtp import distill
 from megatron_ext.testing import DevicePlacementError, meta_device_as_gpu
 from megatron_ext.training import loop
 from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -24,6 +25,7 @@ def dense_args():
                        "--micro-batch-size", "2"], world_size=1)
     initialize_distributed(args)
     yield args
+    distill._METRICS.clear()  # the MTP metrics recorded on meta tensors must not reach a later test's step
     destroy()
 
 
