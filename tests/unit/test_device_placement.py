@@ -4,6 +4,8 @@ a host tensor meeting a device tensor raises), and collectives use tensors on th
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 import pretrain_composer as entry
 from megatron_ext import platform
@@ -25,7 +27,10 @@ def dense_args():
                        "--micro-batch-size", "2"], world_size=1)
     initialize_distributed(args)
     yield args
-    distill._METRICS.clear()  # the MTP metrics recorded on meta tensors must not reach a later test's step
+    # the MTP metrics recorded on meta tensors must not reach a later test's step
+    distill._METRICS.clear()
+    MTPLossLoggingHelper.tracker.clear()
+    clear_aux_losses_tracker()
     destroy()
 
 
