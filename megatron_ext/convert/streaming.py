@@ -53,7 +53,9 @@ def peak_rss_mib() -> float:
 
 
 def _meta_model(arch: ModelPreset, extra_flags=()):
-    args = parse_args(["--model", "tiny", "--mock-data", *extra_flags], world_size=1, base_arch=arch)
+    # The local spec whatever the machine: its checkpoint keys are TE's (models/te_layout.py), its names ours.
+    args = parse_args(["--model", "tiny", "--mock-data", "--transformer-impl", "local", *extra_flags], world_size=1,
+                      base_arch=arch)
     initialize_distributed(args)
     with torch.device("meta"):
         model = model_provider(args)

@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_ext import platform
+from megatron_ext.models.te_layout import drop_absent_extra_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -282,6 +283,7 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
     if attach:
         state["model"] = {k: v for k, v in state["model"].items() if not k.startswith("mtp.")}
+    state["model"] = drop_absent_extra_state(state["model"], ckpt)  # written by the other backend
     try:
         loaded = dist_checkpointing.load(state, ckpt)
     except Exception as e:
