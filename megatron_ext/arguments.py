@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Callable, Iterable, Optional
 
-from megatron_ext import platform
+from megatron_ext import gpu, platform
 from megatron_ext.training import stages
 from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset
 
@@ -195,7 +195,7 @@ def build_parser(description: str = "", extra: Iterable[Callable[[argparse.Argum
     parser = _Parser(description=description, allow_abbrev=False, fromfile_prefix_chars="@",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
-                _add_checkpoint_args, _add_logging_args, _add_data_args, *extra):
+                _add_checkpoint_args, _add_logging_args, _add_data_args, gpu.add_gpu_args, *extra):
         add(parser)
     return parser
 
@@ -343,8 +343,11 @@ def validate_args(args: argparse.Namespace):
     if arch.num_attention_heads % tp:
         _fail(f"--num-attention-heads {arch.num_attention_heads} is not divisible by "
               f"--tensor-model-parallel-size {tp}; pick a TP size that divides the head count")
-    if arch.num_layers % pp:
-        _fail(f"--num-layers {arch.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    try:
+        gpu.pipeline_layers(arch.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                            args.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        _fail(str(e))
     if args.sequence_parallel and arch.seq_length % (tp * cp):
         _fail(f"--seq-length {arch.seq_length} must be divisible by --tensor-model-parallel-size {tp}"
               + (f" x --context-parallel-size {cp}" if cp > 1 else "") + " under --sequence-parallel")
@@ -373,6 +376,7 @@ def validate_args(args: argparse.Namespace):
     if args.transformer_impl == "transformer_engine" and not platform.te_available():
         _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
               "--transformer-impl local")
+    gpu.validate_gpu_args(args, _fail)
     if arch.seq_length > arch.max_position_embeddings:
         _fail(f"--seq-length {arch.seq_length} exceeds --max-position-embeddings {arch.max_position_embeddings}")
 

@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megatron_ext import gpu
 from megatron_ext.models.provider import model_provider, transformer_config
 from megatron_ext.mtp import distill
 
@@ -42,8 +43,8 @@ def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
         return [model]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **gpu.ddp_config_kwargs(args),
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()  # identical data-parallel replicas even if initialisation drew different numbers
