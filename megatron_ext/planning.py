@@ -49,10 +49,11 @@ GPUS = {
 # GEMMs with 2048-wide experts and uneven token counts less) and the end-to-end gain of FP8 over bf16 GEMMs (well
 # below 2x: quantisation, amax and transposes, and the unquantised attention).
 GEMM_EFFICIENCY = 0.60
+GEMM_HALF_ROWS = 256  # GEMMs with this many rows (tokens) reach half that: small per-expert batches are slow
 ATTENTION_EFFICIENCY = 0.45  # flash-attention style fused kernels on long sequences
 FP8_GEMM_SPEEDUP = 1.45
 # Fraction of each communication that is not hidden behind compute.
-EXPOSED = {"ep": 0.8, "tp": 0.5, "cp": 0.3, "pp": 1.0, "dp_overlapped": 0.15, "dp": 1.0}
+EXPOSED = {"ep": 0.5, "tp": 0.5, "cp": 0.3, "pp": 1.0, "dp_overlapped": 0.15, "dp": 1.0}
 COMM_EFFICIENCY = 0.75  # achieved / nominal link bandwidth for NCCL collectives
 FRAMEWORK_GIB = 6.0  # CUDA context, NCCL buffers, allocator slack
 FRAGMENTATION = 1.10  # caching-allocator fragmentation on top of live tensors
@@ -354,6 +355,7 @@ def estimate(model: ModelPreset, layout: Layout, gpu: GPU, work: Workload) -> Es
         # routed tokens arrive unevenly: the busiest expert rank sets the pace
         routed = moe_n * 2.0 * 3 * p.hidden_size * p.moe_ffn_hidden_size * p.moe_router_topk * tokens / L.tp
         gemm += routed * (ALLTOALL_IMBALANCE - 1)
+        routed_share = routed * ALLTOALL_IMBALANCE
         attn = layers[stage] * shape.attention_flops(work.seq_length) * tokens / L.tp
         if last:
             gemm += (1 + p.mtp_num_layers) * shape.head_flops() * tokens / L.tp
@@ -362,9 +364,16 @@ def estimate(model: ModelPreset, layout: Layout, gpu: GPU, work: Workload) -> Es
                 attn += p.mtp_num_layers * shape.attention_flops(work.seq_length) * tokens / L.tp
         passes = 3.0 + (1.0 if L.recompute == "full" else 0.0)
         gemm_rate = gpu.bf16_tflops * 1e12 * GEMM_EFFICIENCY * (FP8_GEMM_SPEEDUP if work.fp8 else 1.0)
-        t_compute = passes * gemm / gemm_rate + passes * attn / (gpu.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY)
+        # rows of the GEMMs: a micro-batch's tokens on this CP rank (all-gathered over TP), and per local expert
+        # the tokens routed to it from the whole expert-parallel group
+        expert_rows = tokens * L.ep * p.moe_router_topk / p.num_experts if p.num_experts else tokens
+        rate_dense = gemm_rate * _row_efficiency(tokens)
+        rate_expert = gemm_rate * _row_efficiency(expert_rows)
+        t_compute = passes * ((gemm - routed_share) / rate_dense + routed_share / rate_expert) \
+            + passes * attn / (gpu.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY * _row_efficiency(tokens))
         if L.recompute == "selective":  # MoE block and MLA up-projections forward again
-            t_compute += (moe_n * shape.layer_gemm_flops(True) * 0.85 * tokens / L.tp) / gemm_rate
+            t_compute += routed_share / rate_expert + (moe_n * shape.layer_gemm_flops(True) * tokens / L.tp
+                                                        - routed) / rate_dense
         # communication per micro-batch
         t_ep = 0.0
         if moe_n and L.ep > 1:
@@ -408,6 +417,10 @@ def estimate(model: ModelPreset, layout: Layout, gpu: GPU, work: Workload) -> Es
     if L.vpp > 1:
         est.notes.append("virtual pipeline stages: not built by training/step.py yet")
     return est
+
+
+def _row_efficiency(rows: float) -> float:
+    return rows / (rows + GEMM_HALF_ROWS)
 
 
 def _divisors(n: int) -> list[int]:

@@ -254,6 +254,25 @@ def _bridge_missing_te():
     mla.HAVE_TE = False
     moe_utils.HAVE_TE = False  # TE installed but unusable (forced CPU): its fused kernels want CUDA tensors
     moe_utils.te_general_gemm = None
+    # Selective recomputation (`CheckpointWithoutOutput`, constructed with fp8=False, takes that for FP8 on) enters
+    # TE's FP8 and recompute contexts, which are only imported with TE: without TE there is no FP8 to track.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not te_available():
+        mrandom.FP8GlobalStateManager = _NoFP8
+        mrandom.activation_recompute_forward = lambda activation_recompute=False, recompute_phase=False: \
+            contextlib.nullcontext()
+        mrandom.fp8_autocast = lambda enabled=False, fp8_recipe=None, **kwargs: contextlib.nullcontext()
+
+
+class _NoFP8:
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
 
 
 def _bridge_torch_optimizer():
