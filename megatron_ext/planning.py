@@ -484,6 +484,19 @@ def serving_memory(model: ModelPreset, tp: int, pp: int, ep: int, batch: int, co
     return {"weights": weights / GIB, "latent_cache": cache / GIB, "total": (weights + cache) / GIB + FRAMEWORK_GIB}
 
 
+def layout_of(args) -> Layout:
+    """The layout parsed flags (arguments.parse_args) describe, as the planner sees it."""
+    modules = set(args.recompute_modules or ["core_attn"])
+    recompute = {"full": "full", None: "none"}.get(args.recompute_granularity)
+    if args.recompute_granularity == "selective":
+        recompute = "selective" if set(SELECTIVE_MODULES) <= modules else "none"
+    return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=1,
+                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                  cp=args.context_parallel_size, dp=args.data_parallel_size,
+                  first_stage_layers=args.decoder_first_pipeline_num_layers,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers, recompute=recompute)
+
+
 def counts(model: ModelPreset) -> tuple[int, int]:
     """(total, active) parameters as the dry run prints them (presets.parameter_counts)."""
     return parameter_counts(model)
