@@ -216,3 +216,17 @@ def test_padded_vocabulary_ids_are_never_sampled(setup):
         engine.generate([[100]], SamplingParams())
     with pytest.raises(ValueError, match="does not fit"):
         InferenceEngine(model, vocab_size=model.vocab_size + 1)
+
+
+def test_groups_of_different_sizes_and_token_callbacks(setup):
+    eng, _, _ = setup
+    prompts = [_prompt(60, 4), _prompt(61, 6)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=2)
+    seen = []
+    groups = eng.generate_groups(prompts, [1, 3], params, on_token=lambda row, token, lp: seen.append((row, token, lp)))
+    assert [len(g) for g in groups] == [1, 3]
+    flat = [c for g in groups for c in g]
+    for row, c in enumerate(flat):
+        mine = [(t, lp) for r, t, lp in seen if r == row]
+        assert [t for t, _ in mine] == c.token_ids and [lp for _, lp in mine] == c.logprobs
+    assert groups[1][2].token_ids == eng.generate([prompts[1]], dataclasses.replace(params, seed=4))[0].token_ids
