@@ -758,9 +758,13 @@ class _Batch:
                     forward.append(r)  # once more, for the routing of its last token
             if not forward:
                 break
-            if forward != in_cache:  # finished rows leave the batch
-                keep = torch.tensor([in_cache.index(r) for r in forward], dtype=torch.long, device=dev)
-                cache.kv = [t.index_select(0, keep) for t in cache.kv]
+            if forward != in_cache:  # finished rows leave the batch: the others move up, in place
+                where = {r: i for i, r in enumerate(in_cache)}
+                keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
+                used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
+                for t in cache.kv:
+                    t[: len(forward), :used] = t[keep, :used]
+                cache.kv = [t[: len(forward)] for t in cache.kv]
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
@@ -772,7 +776,8 @@ class _Batch:
             if not going:
                 break
             if len(going) != len(forward):
-                hidden = hidden[:, torch.tensor([forward.index(r) for r in going], dtype=torch.long, device=dev)]
+                where = {r: i for i, r in enumerate(forward)}
+                hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
             last = eng.logits(hidden)[:, 0]
             active = going
         self._finish()
