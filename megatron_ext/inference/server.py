@@ -400,9 +400,15 @@ class _Stream:
         self.sent = [""] * job.n
         self.holdback = max((len(s) for s in job.params.stop), default=1) - 1
         self.id = f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
-        job.on_token = lambda sample, token, logprob: loop.call_soon_threadsafe(
-            self.events.put_nowait, ("token", sample, token, logprob))
-        job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(self.events.put_nowait, ("done",)))
+        job.on_token = lambda sample, token, logprob: self._post(("token", sample, token, logprob))
+        job.future.add_done_callback(lambda f: self._post(("done",)))
+
+    def _post(self, event):
+        """From the batching thread; a closed loop (the server stopping) must not fail the batch."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            pass
 
     def _chunk(self, choices: list[dict], version: Optional[int] = None) -> bytes:
         chat = self.job.kind == "chat"
