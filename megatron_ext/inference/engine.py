@@ -851,18 +851,18 @@ def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     top-k (ties with the k-th kept), then top-p (the smallest set of most likely tokens reaching p); one-hot on
     the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]."""
     scores = logits.double() / temperature.unsqueeze(-1)
-    sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
     vocab = scores.size(-1)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
-    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
-    p = torch.softmax(sorted_scores, -1)
-    beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
-    sorted_scores = sorted_scores.masked_fill(beyond, -math.inf)
-    probs = torch.softmax(torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores), dim=-1)
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):  # else no sort over the vocabulary
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
+        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
+        p = torch.softmax(sorted_scores, -1)
+        beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores.masked_fill(beyond, -math.inf))
+    probs = torch.softmax(scores, dim=-1)
     if bool(greedy.any()):
-        one_hot = F.one_hot(logits.argmax(-1), vocab).double()
-        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        probs = torch.where(greedy.unsqueeze(-1), F.one_hot(logits.argmax(-1), vocab).double(), probs)
     return probs
 
 
