@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 tools/serve.py --load CKPT --use-checkpoint-args --tensor-model-parallel-size 2 \
         --sequence-parallel                # rank 0 serves HTTP; every rank holds its shard and generates with it
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
+    curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "n": 4, "stream": true}'   # SSE chunks
+    curl localhost:8000/v1/reload -d '{"load": "NEW_CKPT"}'  # validated; on failure the old weights keep serving
 """
 
 import argparse
@@ -28,8 +30,9 @@ def _serve_args(parser: argparse.ArgumentParser):
 
 def build_service(args):
     from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.inference.reload import CheckpointReload
     from megatron_ext.inference.server import ModelParallelServing, ModelService
-    from megatron_ext.training.checkpointing import load_checkpoint, load_weights
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.training.initialize import initialize_distributed
     from megatron_ext.training.step import build_model
 
@@ -38,9 +41,6 @@ def build_service(args):
     if args.load:
         load_checkpoint(args, model, None, None)
 
-    def reload(path: str):
-        load_weights(args, model, path)
-
     tokenizer = None
     if args.tokenizer_model:
         from megatron_ext.data.tokenizers import build_tokenizer
@@ -48,7 +48,7 @@ def build_service(args):
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     peers = ModelParallelServing() if ModelParallelServing.needed() else None
     return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
-                        reload=reload, peers=peers)
+                        reload=CheckpointReload(args, model[0], log=print), peers=peers)
 
 
 def main(argv=None) -> int:

@@ -561,19 +561,24 @@ class InferenceEngine:
         """A generator on the device tokens are drawn on (the model's)."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _check_request(self, prompts: list[list[int]], rows: list[SamplingParams]):
+    def check_request(self, prompts: list[list[int]], params: list[SamplingParams]):
+        """Raise ValueError naming the problem if prompt i with params[i] cannot be generated for."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        for p in rows:
+        for p in params:
             p.validate(self.vocab_size)
         bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        longest = max(len(p) + r.max_tokens for p, r in zip(prompts, params))
+        if longest > self.model.max_sequence_length:
+            raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {self.model.max_sequence_length}")
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Optional[Callable[[int, int, float], None]] = None) -> list[Completion]:
         """One completion per prompt. `params` is shared by every row (row i then draws with seed + i) or given
-        per row (each row uses its own seed)."""
+        per row (each row uses its own seed). `on_token(row, token_id, logprob)` is called as each token is drawn."""
         if isinstance(params, SamplingParams):
             rows = [params] * len(prompts)
             seeds = [params.seed + i if params.seed is not None else None for i in range(len(prompts))]
@@ -582,33 +587,34 @@ class InferenceEngine:
             if len(rows) != len(prompts):
                 raise ValueError(f"{len(rows)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
             seeds = [p.seed for p in rows]
-        return self._generate_rows(prompts, rows, seeds, n=1)
+        return self._generate_rows(prompts, rows, seeds, [1] * len(prompts), on_token)
 
     @torch.inference_mode()
-    def generate_groups(self, prompts: list[list[int]], n: int, params: SamplingParams | list[SamplingParams],
-                        ) -> list[list[Completion]]:
-        """`n` samples of each prompt; the samples of a prompt share one prefill (its cache is forked n ways).
-        Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j]."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    def generate_groups(self, prompts: list[list[int]], n: int | list[int],
+                        params: SamplingParams | list[SamplingParams],
+                        on_token: Optional[Callable[[int, int, float], None]] = None) -> list[list[Completion]]:
+        """`n` samples of each prompt (or n[i] of prompt i); the samples of a prompt share one prefill (its cache
+        is forked n ways). Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j].
+        `on_token(row, token_id, logprob)` numbers the rows prompt by prompt, sample by sample."""
+        counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
+        if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        rows = [p for p in per_prompt for _ in range(n)]
-        seeds = [p.seed + j if p.seed is not None else None for p in per_prompt for j in range(n)]
-        flat = self._generate_rows(prompts, rows, seeds, n=n)
-        return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
+        rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
+        seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
+        flat = self._generate_rows(prompts, rows, seeds, counts, on_token)
+        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
 
-    def _generate_rows(self, prompts, rows, seeds, n: int) -> list[Completion]:
-        self._check_request(prompts, rows)
-        longest = max(len(p) + r.max_tokens for p, r in zip([p for p in prompts for _ in range(n)], rows))
-        if longest > self.model.max_sequence_length:
-            raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {self.model.max_sequence_length}")
+    def _generate_rows(self, prompts, rows, seeds, counts: list[int], on_token=None) -> list[Completion]:
+        self.check_request([prompts[i] for i in _prompt_of(counts)], rows)
         was_training = self.model.training
         self.model.eval()
         try:
             with platform.without_device_mapping():
-                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), n).run()
+                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
         finally:
             self.model.train(was_training)
 
@@ -652,6 +658,11 @@ class InferenceEngine:
         return self.weights_version
 
 
+def _prompt_of(counts: list[int]) -> list[int]:
+    """The prompt index of each row when prompt i has counts[i] rows."""
+    return [i for i, c in enumerate(counts) for _ in range(c)]
+
+
 def model_weights(model) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers (e.g. the routers' expert bias) by their Megatron names, with the
     DDP / Float16Module wrappers' `module.` prefixes removed."""
@@ -687,17 +698,19 @@ def _source_weights(source) -> dict[str, torch.Tensor]:
 
 
 class _Batch:
-    """One batched generation: rows are prompts x n samples; the prompts are prefilled once and each one's cache
-    is forked n ways. Rows that finish leave the decode batch (their cache rows are dropped); a row that returns
-    routing takes part in one more forward of its last token, for that token's experts."""
+    """One batched generation: prompt i has counts[i] rows (samples); the prompts are prefilled once and each
+    one's cache is forked to its rows. Rows that finish leave the decode batch (their cache rows are dropped); a
+    row that returns routing takes part in one more forward of its last token, for that token's experts."""
 
-    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int], n: int):
-        self.engine, self.prompts, self.rows, self.n = engine, prompts, rows, n
+    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int],
+                 counts: list[int], on_token=None):
+        self.engine, self.prompts, self.rows, self.counts, self.on_token = engine, prompts, rows, counts, on_token
+        self.prompt_of = _prompt_of(counts)
         dev = engine.device
         self.generators = [engine.generator(s) for s in seeds]
         self.version = engine.weights_version
         self.want_routing = [p.return_routing for p in rows]
-        self.out = [Completion(prompt_ids=list(prompts[i // n])) for i in range(len(rows))]
+        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
         greedy = [p.temperature == 0 for p in rows]
         self.any_sampled = not all(greedy)
         self.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows],
@@ -708,7 +721,7 @@ class _Batch:
         self.routing_steps: list[tuple[torch.Tensor, list[int]]] = []  # ([rows, moe layers, topk], row ids)
 
     def run(self) -> list[Completion]:
-        eng, n, dev = self.engine, self.n, self.engine.device
+        eng, dev = self.engine, self.engine.device
         prompts = self.prompts
         lens = [len(p) for p in prompts]
         max_len = max(len(c.prompt_ids) + r.max_tokens for c, r in zip(self.out, self.rows))
@@ -724,15 +737,16 @@ class _Batch:
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
-        if n > 1:  # fork: row i * n + j is sample j of prompt i
-            cache.kv = [t.repeat_interleave(n, dim=0) for t in cache.kv]
-            last = last.repeat_interleave(n, dim=0)
+        counts = torch.tensor(self.counts, dtype=torch.long, device=dev)
+        if any(c != 1 for c in self.counts):  # fork each prompt's cache to its samples
+            cache.kv = [t.repeat_interleave(counts, dim=0) for t in cache.kv]
+            last = last.repeat_interleave(counts, dim=0)
         if record:
             self.prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
 
-        in_cache = list(range(P * n))  # the rows the cache holds, in its batch order
+        in_cache = list(range(len(self.rows)))  # the rows the cache holds, in its batch order
         active = list(in_cache)  # rows still generating; `last` holds their next-token logits
-        lengths = lens_t.repeat_interleave(n)  # tokens in the cache of each cached row
+        lengths = lens_t.repeat_interleave(counts)  # tokens in the cache of each cached row
         while True:
             ids = self._sample(last, active)
             going, forward = [], []
@@ -744,9 +758,13 @@ class _Batch:
                     forward.append(r)  # once more, for the routing of its last token
             if not forward:
                 break
-            if forward != in_cache:  # finished rows leave the batch
-                keep = torch.tensor([in_cache.index(r) for r in forward], dtype=torch.long, device=dev)
-                cache.kv = [t.index_select(0, keep) for t in cache.kv]
+            if forward != in_cache:  # finished rows leave the batch: the others move up, in place
+                where = {r: i for i, r in enumerate(in_cache)}
+                keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
+                used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
+                for t in cache.kv:
+                    t[: len(forward), :used] = t[keep, :used]
+                cache.kv = [t[: len(forward)] for t in cache.kv]
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
@@ -758,7 +776,8 @@ class _Batch:
             if not going:
                 break
             if len(going) != len(forward):
-                hidden = hidden[:, torch.tensor([forward.index(r) for r in going], dtype=torch.long, device=dev)]
+                where = {r: i for i, r in enumerate(forward)}
+                hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
             last = eng.logits(hidden)[:, 0]
             active = going
         self._finish()
@@ -792,6 +811,8 @@ class _Batch:
         c.logprobs.append(logprob)
         c.sampled_logprobs.append(sampled)
         c.versions.append(self.version)
+        if self.on_token is not None:
+            self.on_token(r, token, logprob)
         return _finished(c, params, self.engine.detokenize)
 
     def _finish(self):
@@ -801,7 +822,7 @@ class _Batch:
             steps = [(t.cpu(), {r: i for i, r in enumerate(rows)}) for t, rows in self.routing_steps]
             for r, c in enumerate(self.out):
                 if self.want_routing[r]:
-                    parts = [prompt[: len(c.prompt_ids), r // self.n]]
+                    parts = [prompt[: len(c.prompt_ids), self.prompt_of[r]]]
                     parts += [t[where[r]].unsqueeze(0) for t, where in steps if r in where]
                     c.routing = torch.cat(parts)
         for c in self.out:
@@ -830,18 +851,18 @@ def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     top-k (ties with the k-th kept), then top-p (the smallest set of most likely tokens reaching p); one-hot on
     the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]."""
     scores = logits.double() / temperature.unsqueeze(-1)
-    sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
     vocab = scores.size(-1)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
-    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
-    p = torch.softmax(sorted_scores, -1)
-    beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
-    sorted_scores = sorted_scores.masked_fill(beyond, -math.inf)
-    probs = torch.softmax(torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores), dim=-1)
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):  # else no sort over the vocabulary
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
+        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
+        p = torch.softmax(sorted_scores, -1)
+        beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores.masked_fill(beyond, -math.inf))
+    probs = torch.softmax(scores, dim=-1)
     if bool(greedy.any()):
-        one_hot = F.one_hot(logits.argmax(-1), vocab).double()
-        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        probs = torch.where(greedy.unsqueeze(-1), F.one_hot(logits.argmax(-1), vocab).double(), probs)
     return probs
 
 
