@@ -7,6 +7,7 @@ preset's field. `validate_args` checks flag combinations before anything is buil
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Callable, Iterable, Optional
 
@@ -250,9 +251,13 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if getattr(args, "use_checkpoint_args", False) and base_arch is None:
         if not args.load:
             _fail("--use-checkpoint-args needs --load DIR")
-        from megatron_ext.training.checkpointing import checkpoint_arch
+        from megatron_ext.training.checkpointing import CheckpointError, checkpoint_arch
 
-        base_arch = checkpoint_arch(args.load)
+        _validate_load_dir(args)
+        try:
+            base_arch = checkpoint_arch(args.load)
+        except CheckpointError as e:
+            _fail(str(e))
     try:
         previous = stages.prepare(args)  # extend/sft: the previous stage's checkpoint and architecture
         args.stage_previous_arch = previous
@@ -311,14 +316,13 @@ def _validate_training(args: argparse.Namespace):
             _fail(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.finetune and not args.load:
         _fail("--finetune needs --load DIR (the weights to start from)")
+    _validate_load_dir(args)
     if args.max_skipped < 1:
         _fail(f"--max-skipped must be >= 1, got {args.max_skipped}")
 
 
 def _validate_ranges(args: argparse.Namespace):
     """Values that would otherwise fail deep inside (ZeroDivisionError, a misleading --min-lr message)."""
-    import math
-
     for flag in ("lr", "min_lr", "lr_warmup_init", "weight_decay"):
         value = getattr(args, flag)
         if not math.isfinite(value) or value < 0:
@@ -327,9 +331,14 @@ def _validate_ranges(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None and value < 1:
             _fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler", False):
+    if getattr(args, "override_opt_param_scheduler", False) and \
+            getattr(args, "use_checkpoint_opt_param_scheduler", False):
         _fail("--override-opt_param-scheduler (use the flags) and --use-checkpoint-opt_param-scheduler (use the "
               "checkpoint) exclude each other; pick one")
+
+
+def _validate_load_dir(args: argparse.Namespace):
+    """A --load that does not exist is a typo more often than a first run: refuse it unless the intent is clear."""
     if args.load and not os.path.isdir(args.load) and not getattr(args, "load_optional", False) and \
             not (args.save and os.path.abspath(args.save) == os.path.abspath(args.load)):
         what = "is not a directory" if os.path.exists(args.load) else "does not exist"

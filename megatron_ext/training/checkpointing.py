@@ -415,9 +415,10 @@ def _check_scheduler(args, scheduler, saved: dict, ckpt: str, log):
     gbs = args.global_batch_size
     steps = lambda v: f"{v} samples ({v / gbs:g} iterations at --global-batch-size {gbs})"  # noqa: E731
     fields = [("max_lr", "--lr", str), ("min_lr", "--min-lr", str), ("lr_decay_style", "--lr-decay-style", str),
-              ("lr_warmup_steps", "--lr-warmup-iters", steps),
-              ("lr_decay_steps", "--lr-decay-iters (default: --train-iters)", steps),
-              ("start_wd", "--weight-decay", str)]
+              ("lr_warmup_steps", "--lr-warmup-iters", steps), ("start_wd", "--weight-decay", str)]
+    # lengths that a constant schedule never reads (a longer run at constant lr/wd is no change of schedule)
+    if not (scheduler.lr_decay_style == saved.get("lr_decay_style") == "constant"):
+        fields.append(("lr_decay_steps", "--lr-decay-iters (default: --train-iters)", steps))
     if not (scheduler.wd_incr_style == saved.get("wd_incr_style") == "constant"):
         fields.append(("wd_incr_steps", "--train-iters", steps))
     diffs = [f"{flag}: {show(getattr(scheduler, key))} here, {show(saved[key])} in the checkpoint"
@@ -508,6 +509,7 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     missing = [k for k in missing if not (attach and k.startswith("mtp.")) and not k.endswith("_extra_state")]
     if missing or unexpected:
         raise CheckpointError(f"{ckpt} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups] if load_optim else []
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
@@ -515,6 +517,11 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     if scheduler is not None and common.get("opt_param_scheduler") and not weights_only:
         _check_scheduler(args, scheduler, common["opt_param_scheduler"], ckpt, log)
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        if scheduler.override_opt_param_scheduler and flag_lrs:
+            # the optimizer's parameter groups carry their own max/min lr, restored from the checkpoint above
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
+            scheduler.step(increment=0)
     if load_rng:
         rng = loaded["rng_state"]
         _set_rng_state(rng.data if isinstance(rng, ShardedObject) else rng)

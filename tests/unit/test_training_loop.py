@@ -76,7 +76,8 @@ def test_interrupted_save_keeps_previous_latest(tmp_path):
     os.makedirs(partial)
     with open(os.path.join(partial, "__0_0.distcp"), "wb") as f:
         f.write(b"\0" * 10)
-    code, resumed = run(tmp_path, "b", "--train-iters", "3", "--save", save, "--load", save)
+    code, resumed = run(tmp_path, "b", "--train-iters", "3", "--save", save, "--load", save,
+                        "--use-checkpoint-opt_param-scheduler")
     assert code == 0
     assert sorted(resumed["lm loss"]) == [3]
     assert read_tracker(save) == 3
@@ -110,6 +111,10 @@ def test_corrupt_contents_are_reported(tmp_path, capsys):
     with open(common, "r+b") as f:  # same size, garbage inside: only reading can tell
         f.write(b"\xff" * size)
     code, _ = run(tmp_path, "b", "--train-iters", "2", "--load", save)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"{common} is corrupt: CRC-32" in err  # the manifest's checksum sees it first
+    code, _ = run(tmp_path, "c", "--train-iters", "2", "--load", save, "--skip-checkpoint-checksums")
     assert code == 1
     err = capsys.readouterr().err
     assert "cannot read the common state" in err and checkpoint_dir(save, 1) in err
