@@ -19,6 +19,7 @@ import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -202,7 +203,16 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = F
     shards = tqdm(total=len(ckpt.shard_names), desc="shards", unit="shard", disable=None)
     seen_files = set()
 
+    failures: list[ConversionError] = []
+
     def resolve(item: WriteItem):
+        try:
+            return _resolve(item)
+        except ConversionError as e:  # torch wraps it in a CheckpointException with a remote-style traceback
+            failures.append(e)
+            raise
+
+    def _resolve(item: WriteItem):
         if item.type == WriteItemType.BYTE_IO:
             return blobs[item.index.fqn]
         p, piece_dtype = sources[(item.index.fqn, tuple(item.index.offset))]
@@ -226,7 +236,12 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = F
         # One file per chunk: torch's writer keeps every tensor of a file alive until the file is complete, so a
         # single file would hold the whole model in memory.
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
-        dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        try:
+            dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        except (Exception, CheckpointException):  # CheckpointException is a BaseException
+            if failures:
+                raise failures[0] from None
+            raise
         common = {"iteration": 0, "format_version": checkpointing.FORMAT_VERSION, "release": True,
                   "args": {**checkpointing._serializable_args(args), "no_save_optim": True},
                   "layout": {}, "optimizer_parts": 0, "opt_param_scheduler": None,
