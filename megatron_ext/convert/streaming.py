@@ -236,6 +236,7 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = F
         # One file per chunk: torch's writer keeps every tensor of a file alive until the file is complete, so a
         # single file would hold the whole model in memory.
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
+        writer.fs = checkpointing.checksum_file_system()  # the manifest's CRC-32s come from the bytes written
         try:
             dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
         except (Exception, CheckpointException):  # CheckpointException is a BaseException

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from megatron_ext.data import punkt
@@ -120,17 +121,17 @@ def _cut(text: str, start: int, limit: int) -> int:
     return end
 
 
-def encode_bounded(tok, text: str, limit: int = MAX_ENCODE_CHARS) -> list[int]:
-    """tok.encode(text), with the tokenizer never given more than `limit` characters at once (bounded memory)."""
+def encode_bounded(tok, text: str, limit: int = MAX_ENCODE_CHARS):
+    """tok.encode(text), with the tokenizer never given more than `limit` characters at once (bounded memory).
+    A text longer than `limit` gives an int32 array (4 bytes a token instead of a Python int's ~36)."""
     if len(text) <= limit:
         return tok.encode(text)
-    ids: list[int] = []
-    start = 0
+    parts, start = [], 0
     while start < len(text):
         end = _cut(text, start, limit)
-        ids += tok.encode(text[start:end])
+        parts.append(np.asarray(tok.encode(text[start:end]), dtype=np.int32))
         start = end
-    return ids
+    return np.concatenate(parts)
 
 
 # ---- worker side ------------------------------------------------------------------------------------------
@@ -204,10 +205,11 @@ def _process_chunk(task) -> dict:
         encoded = []
         for text in texts:
             pieces = punkt.split_sentences(splitter, text) if splitter is not None else [text]
-            seqs = [ids for ids in (encode_bounded(tok, p, cfg.max_encode_chars) for p in pieces) if ids]
+            seqs = [ids for ids in (encode_bounded(tok, p, cfg.max_encode_chars) for p in pieces) if len(ids)]
             if cfg.append_eod:
                 if seqs:
-                    seqs[-1].append(tok.eod)
+                    seqs[-1] = np.append(seqs[-1], tok.eod) if isinstance(seqs[-1], np.ndarray) else \
+                        seqs[-1] + [tok.eod]
                 elif text:
                     seqs = [[tok.eod]]
             encoded.append(seqs)
@@ -215,7 +217,10 @@ def _process_chunk(task) -> dict:
             out["empty"] += 1
             continue
         for key, seqs in zip(cfg.json_keys, encoded):
-            flat = [i for seq in seqs for i in seq]
+            if any(isinstance(seq, np.ndarray) for seq in seqs):
+                flat = np.concatenate([np.asarray(seq, dtype=np.int64) for seq in seqs])
+            else:
+                flat = [i for seq in seqs for i in seq]
             builders[key].add_document(flat, [len(seq) for seq in seqs])
             out["tokens"][key] += len(flat)
         out["documents"] += 1

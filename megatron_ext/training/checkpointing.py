@@ -235,6 +235,24 @@ def checksummed_writes():
             del filesystem_async.open
 
 
+def checksum_file_system():
+    """A torch.distributed.checkpoint FileSystem whose written files go through ChecksumStream (set it as a
+    FileSystemWriter's `fs`; tools/convert_checkpoint.py import writes through one)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ChecksumFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with ChecksumStream(path, mode) as stream:
+                yield stream
+
+    return ChecksumFileSystem()
+
+
 def file_crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:

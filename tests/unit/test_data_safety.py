@@ -186,6 +186,22 @@ def test_serve_reuses_a_named_import_and_refuses_a_foreign_one(hf_dir, tmp_path,
     assert "does not match" in capsys.readouterr().err
 
 
+def test_import_checksums_its_files_while_writing(hf_dir, tmp_path, monkeypatch):
+    from megatron_ext.training import checkpointing
+
+    read_back = []
+    original = checkpointing.file_crc32
+    monkeypatch.setattr(checkpointing, "file_crc32", lambda path: read_back.append(path) or original(path))
+    save = str(tmp_path / "mg")
+    _import(hf_dir, save)
+    ckpt = os.path.join(save, "release")
+    files = checkpointing.read_manifest(ckpt)
+    data = [rel for rel in files if rel.endswith(".distcp")]
+    assert len(data) > 10 and all(files[rel]["crc32"] == f"{original(os.path.join(ckpt, rel)):08x}" for rel in data)
+    assert not [p for p in read_back if p.endswith(".distcp")]
+    assert not [n for n in os.listdir(ckpt) if n.endswith(checkpointing.CHECKSUM_SIDECAR)]
+
+
 # ---- 6. importing next to training checkpoints --------------------------------------------------------------
 def test_import_into_a_training_checkpoint_directory_is_refused_unless_overwrite(hf_dir, tmp_path):
     save = tmp_path / "run"
@@ -310,11 +326,11 @@ def test_long_documents_are_encoded_in_bounded_pieces_with_the_same_ids(tmp_path
     text += " " + "x" * 5000 + "  two  spaces\n\n\n  indented\tword " + "é" * 10  # runs without boundaries
     spy = _Spy(tok)
     limit = 2048
-    ids = pp.encode_bounded(spy, text, limit)
+    ids = pp.encode_bounded(spy, text, limit).tolist()
     assert spy.longest <= limit and len(ids) > 1000
     assert tok.decode(ids) == text  # lossless even where a boundary-free run forces a hard cut
     head = text[: text.index(" " + "x" * 5000)]  # ordinary text: cut only where the pre-tokeniser splits anyway
-    assert pp.encode_bounded(tok, head, limit) == tok.encode(head)
+    assert pp.encode_bounded(tok, head, limit).tolist() == tok.encode(head)
 
 
 def test_preprocess_one_line_document_larger_than_the_limit(tokenizer, tmp_path):
