@@ -54,7 +54,7 @@ def short_context_loss(flags: list[str], path: str, windows: int = 16, seq: int 
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.training.stages import window_loss
+    from megatron_ext.training.lm import window_loss
 
     ds = IndexedDataset(os.path.join(DATA, "stdlib_text_document"))
     ids = torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds) - 40, len(ds))]).astype("int64"))
@@ -104,9 +104,8 @@ def main() -> int:
                        "--train-iters", str(a.sft_iters), "--load", ck["extend"], "--save", ck["sft"],
                        "--save-interval", str(a.sft_iters), "--tensorboard-dir", tb["sft"]])
 
-    from tests.tb import scalars
-
     from megatron_ext.arguments import parse_args
+    from megatron_ext.training.tensorboard import scalars
 
     curves, offset, agreement = {}, 0, None
     for name in ("pretrain", "extend", "sft"):

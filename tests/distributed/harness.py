@@ -1,4 +1,5 @@
-"""Run pretrain_composer.py's own forward step under a parallel layout in gloo worker processes.
+"""Run the library's LM step (megatron_ext.training.lm, which pretrain_composer.py trains with) under a parallel
+layout in gloo worker processes.
 
 Every run starts from the same layout-invariant weights (megatron_ext.testing) and sees the same global batches,
 so any two layouts must produce the same losses and gradient norms up to floating-point reassociation.
@@ -52,10 +53,10 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
             batches: list | None = None, param_grads: bool = False):
     join(rank, world, port)
     import megatron_ext  # noqa: F401
-    import pretrain_composer as entry
     from megatron_ext.arguments import parse_args
     from megatron_ext.testing import init_layout_invariant_
     from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.lm import forward_step, train_data_iterator
     from megatron_ext.training.step import setup_model_and_optimizer, train_step
 
     args = parse_args(flags, world_size=world)
@@ -64,8 +65,8 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     results = []
     for iteration in range(steps):
-        data = iter(batches[iteration]) if batches else entry.train_data_iterator(args, iteration)
-        r = train_step(entry.forward_step, data, model, optimizer, args, num_microbatches)
+        data = iter(batches[iteration]) if batches else train_data_iterator(args, iteration)
+        r = train_step(forward_step, data, model, optimizer, args, num_microbatches)
         results.append({"losses": r["losses"], "grad_norm": float(r["grad_norm"])})
         if param_grads:  # rank 0's reduced gradient of each parameter (whole when nothing shards it)
             results[-1]["param_grads"] = {name: float(p.main_grad.double().norm())

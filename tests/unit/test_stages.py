@@ -10,6 +10,7 @@ import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.training import stages
 from megatron_ext.training.checkpointing import read_tracker
+from megatron_ext.training.lm import window_loss
 from tests.unit.data_fixtures import preprocessed, small_corpus, trained_tokenizer
 
 SHORT = 64
@@ -111,10 +112,10 @@ def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):
     windows = ids[: (len(ids) - 1) // (SHORT + 1) * (SHORT + 1)].view(-1, SHORT + 1)[:8]
     batches = [(windows[i:i + 4, :-1], windows[i:i + 4, 1:]) for i in range(0, len(windows), 4)]
     common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
-    before = stages.window_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
-                                 pretrained["save"], batches)
-    after = stages.window_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
-                                pretrained["save"], batches)
+    before = window_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
+                         pretrained["save"], batches)
+    after = window_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
+                        pretrained["save"], batches)
     untrained = 6.93  # ln(1024): the loss of the untrained model
     with capsys.disabled():
         print(f"\nshort-context loss: trained {before:.4f}, under YaRN x4 {after:.4f}, delta {after - before:+.4f}")
