@@ -206,10 +206,11 @@ def test_mtp_attach_adds_fresh_layers_to_a_checkpoint_without_them(tmp_path, cap
     assert run(tmp_path, "plain", "--train-iters", "2", "--mtp-num-layers", "0", "--save", save)[0] == 0
     code, _ = run(tmp_path, "refused", "--train-iters", "3", "--load", save)
     assert code == 1 and "--mtp-attach" in capsys.readouterr().err
-    code, tb = run(tmp_path, "attached", "--train-iters", "4", "--load", save, "--mtp-attach")
+    keep = "--use-checkpoint-opt_param-scheduler"  # --train-iters grows, so the default decay length changes
+    code, tb = run(tmp_path, "attached", "--train-iters", "4", "--load", save, "--mtp-attach", keep)
     assert code == 0
     assert sorted(tb["mtp_1 distill loss"]) == [3, 4] and "mtp_1 top1 agreement" in tb
-    code, _ = run(tmp_path, "twice", "--train-iters", "5", "--load", save, "--mtp-attach", "--save", save)
+    code, _ = run(tmp_path, "twice", "--train-iters", "5", "--load", save, "--mtp-attach", "--save", save, keep)
     assert code == 0  # the checkpoint it saved at iteration 5 now has MTP layers: a second attach is refused
-    code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach")
+    code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach", keep)
     assert code == 1 and "already has 1 MTP layer" in capsys.readouterr().err
