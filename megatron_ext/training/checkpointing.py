@@ -420,8 +420,8 @@ def _check_architecture(args, common: dict, ckpt: str):
              for f in _WEIGHT_FIELDS if f in saved and saved[f] != getattr(args.arch, f)]
     saved_vocab = saved_args.get("padded_vocab_size")
     if saved_vocab and getattr(args, "padded_vocab_size", saved_vocab) != saved_vocab:
-        diffs.append(f"--vocab-size {args.vocab_size} (padded to {args.padded_vocab_size}) here, {saved.get('vocab_size')} "
-                     f"(padded to {saved_vocab}) in the checkpoint")
+        diffs.append(f"--vocab-size {args.vocab_size} (padded to {args.padded_vocab_size}) here, "
+                     f"{saved.get('vocab_size')} (padded to {saved_vocab}) in the checkpoint")
     if diffs:
         raise CheckpointError(f"{ckpt} was saved with a different architecture: " + "; ".join(diffs)
                               + ". Pass --use-checkpoint-args to take the checkpoint's architecture, or fix the flags")
