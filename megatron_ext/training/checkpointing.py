@@ -535,11 +535,18 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     if scheduler is not None and common.get("opt_param_scheduler") and not weights_only:
         _check_scheduler(args, scheduler, common["opt_param_scheduler"], ckpt, log)
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        # The optimizer's parameter groups carry their own max/min lr (what get_lr reads): restored from the
+        # checkpoint with the optimizer state, else the flags'. Make them follow the schedule chosen above.
         if scheduler.override_opt_param_scheduler and flag_lrs:
-            # the optimizer's parameter groups carry their own max/min lr, restored from the checkpoint above
             for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
                 group["max_lr"], group["min_lr"] = max_lr, min_lr
-            scheduler.step(increment=0)
+        elif not scheduler.override_opt_param_scheduler and optimizer is not None and not load_optim:
+            for group in optimizer.param_groups:
+                if group.get("max_lr") == args.lr:
+                    group["max_lr"] = scheduler.max_lr
+                if group.get("min_lr") == args.min_lr:
+                    group["min_lr"] = scheduler.min_lr
+        scheduler.step(increment=0)
     if load_rng:
         rng = loaded["rng_state"]
         _set_rng_state(rng.data if isinstance(rng, ShardedObject) else rng)

@@ -121,8 +121,12 @@ def test_schedule_override_and_checkpoint_flags_pick_the_schedule(saved, tmp_pat
     code, ckpt = run(tmp_path, "ckpt", "--lr", "1e-3", "--train-iters", "3", "--lr-decay-iters", "6", "--load", save,
                      "--use-checkpoint-opt_param-scheduler")
     assert code == 0
+    code, no_optim = run(tmp_path, "no_optim", "--lr", "1e-3", "--train-iters", "3", "--lr-decay-iters", "6",
+                         "--load", save, "--use-checkpoint-opt_param-scheduler", "--no-load-optim")
+    assert code == 0
     assert flags["learning-rate"][3] == pytest.approx(1e-3 * (1 - 12 / 24))
     assert ckpt["learning-rate"][3] == pytest.approx(3e-3 * (1 - 12 / 24))
+    assert no_optim["learning-rate"][3] == pytest.approx(3e-3 * (1 - 12 / 24))
     code, same = run(tmp_path, "same", "--lr", "3e-3", "--train-iters", "6", "--exit-interval", "3", "--load", save)
     assert code == 0 and same["learning-rate"][3] == pytest.approx(3e-3 * (1 - 12 / 24))
 
