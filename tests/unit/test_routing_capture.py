@@ -8,25 +8,12 @@ for every prompt and generated token, in every MoE layer (R3-style routing repla
 import pytest
 import torch
 
-from megatron_ext.arguments import parse_args
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
-from megatron_ext.testing import init_layout_invariant_
-from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import build_model
+from tests.unit.inference_fixtures import engine, uncached_forward  # noqa: F401  (engine: a fixture)
 
 # A token whose k-th and (k+1)-th routing scores lie closer than this may legitimately flip between two orders of
 # floating-point operations (cached vs uncached attention); every other token must match exactly.
 TIE_MARGIN = 1e-4
-
-
-@pytest.fixture(scope="module")
-def engine():
-    args = parse_args(["--model", "tiny", "--mock-data"], world_size=1)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
-    model.eval()
-    yield InferenceEngine(model), model
-    destroy()
 
 
 def _moe_routers(model):
@@ -54,9 +41,7 @@ def megatron_routing(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     for router in _moe_routers(model):
         hooks.append(router.register_forward_hook(record))
     try:
-        tokens = torch.tensor([ids])
-        with torch.no_grad():
-            model.decoder(model.embedding(tokens, torch.arange(len(ids)).unsqueeze(0)), attention_mask=None)
+        uncached_forward(model, ids)
     finally:
         for h in hooks:
             h.remove()

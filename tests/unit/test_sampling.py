@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.arguments import parse_args
-from megatron_ext.inference.engine import InferenceEngine, SamplingParams, sampling_probs
-from megatron_ext.testing import init_layout_invariant_
-from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import build_model
+from megatron_ext.inference.engine import SamplingParams, sampling_probs
+from tests.unit.inference_fixtures import engine, uncached_logits  # noqa: F401  (engine: a fixture)
 
 SETTINGS = [
     dict(temperature=1.0),
@@ -24,24 +21,6 @@ SETTINGS = [
     dict(temperature=0.5, top_k=40, top_p=0.6),
     dict(temperature=2.0, top_k=1),
 ]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    args = parse_args(["--model", "tiny", "--mock-data"], world_size=1)
-    initialize_distributed(args)
-    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
-    model.eval()
-    yield InferenceEngine(model), model
-    destroy()
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    """Uncached next-token logits [len(ids), vocab] through Megatron-Core's TransformerBlock."""
-    tokens = torch.tensor([ids])
-    with torch.no_grad():
-        hidden = model.decoder(model.embedding(tokens, torch.arange(len(ids)).unsqueeze(0)), attention_mask=None)
-        return model.output_layer(hidden)[0][:, 0].float()
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -67,7 +46,7 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_
 
 def _positions(model, n=6, seed=0):
     ids = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return _logits(model, ids)  # one row per position: several different next-token distributions
+    return uncached_logits(model, ids)  # one row per position: several different next-token distributions
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -97,7 +76,7 @@ def test_generated_tokens_are_seeded_draws_from_the_distribution(engine, setting
     outs = eng.generate(prompts, SamplingParams(max_tokens=n, seed=seed, **setting))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         ids = prompt + out.token_ids
-        logits = _logits(model, ids)[len(prompt) - 1: len(ids) - 1]
+        logits = uncached_logits(model, ids)[len(prompt) - 1: len(ids) - 1]
         generator = torch.Generator().manual_seed(seed + i)
         replay = [int(torch.multinomial(torch.from_numpy(reference_probs(row, **setting)), 1, generator=generator))
                   for row in logits.numpy()]
