@@ -130,7 +130,7 @@ class ModelService:
         if want_logprobs:
             choice["logprobs"] = {"token_ids": completion.token_ids, "token_logprobs": completion.logprobs}
         if completion.routing is not None:
-            choice["routing"] = completion.routing
+            choice["routing"] = completion.routing.tolist()
         return choice
 
     def completions(self, body: dict) -> dict:

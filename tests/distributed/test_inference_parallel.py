@@ -29,7 +29,8 @@ def _requests(engine):
     from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
 
     def pack(completions):
-        return [{"ids": c.token_ids, "logprobs": c.logprobs, "routing": c.routing} for c in completions]
+        return [{"ids": c.token_ids, "logprobs": c.logprobs, "sampled_logprobs": c.sampled_logprobs,
+                 "routing": c.routing.tolist() if c.routing is not None else None} for c in completions]
 
     stats = SpeculationStats()
     return {
@@ -40,7 +41,9 @@ def _requests(engine):
         "speculative_greedy": pack([generate_speculative(engine, p, SamplingParams(max_tokens=8, temperature=0.0),
                                                          stats) for p in PROMPTS]),
         "speculative_sampled": pack([generate_speculative(engine, PROMPTS[0],
-                                                          SamplingParams(max_tokens=8, seed=4))]),
+                                                          SamplingParams(max_tokens=8, seed=4, return_routing=True))]),
+        "groups": pack([c for g in engine.generate_groups(PROMPTS[1:], 2, SamplingParams(
+            max_tokens=6, temperature=0.9, top_p=0.9, seed=6, return_routing=True)) for c in g]),
         "teacher_forced": engine.forward(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])).unsqueeze(0),
                                          engine.new_cache(len(engine.layers), 1, 16), torch.tensor([0]))[0].tolist(),
     }
@@ -81,10 +84,11 @@ def test_parallel_generation_matches_one_rank(layout, reference):
     got = ranks[0]
     torch.testing.assert_close(torch.tensor(got["teacher_forced"]), torch.tensor(reference["teacher_forced"]),
                                rtol=1e-5, atol=1e-5)
-    for kind in ("greedy_batch", "sampled_seeded", "speculative_greedy", "speculative_sampled"):
+    for kind in ("greedy_batch", "sampled_seeded", "speculative_greedy", "speculative_sampled", "groups"):
         for mine, want in zip(got[kind], reference[kind], strict=True):
             assert mine["ids"] == want["ids"], kind
             assert mine["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), kind
+            assert mine["sampled_logprobs"] == pytest.approx(want["sampled_logprobs"], abs=1e-5), kind
             assert mine["routing"] == want["routing"], kind
     for spec, plain in zip(got["speculative_greedy"], got["greedy_batch"], strict=True):
         assert spec["ids"] == plain["ids"]
