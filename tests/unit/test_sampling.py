@@ -78,9 +78,14 @@ def test_generated_tokens_are_seeded_draws_from_the_distribution(engine, setting
         ids = prompt + out.token_ids
         logits = uncached_logits(model, ids)[len(prompt) - 1: len(ids) - 1]
         generator = torch.Generator().manual_seed(seed + i)
-        replay = [int(torch.multinomial(torch.from_numpy(reference_probs(row, **setting)), 1, generator=generator))
-                  for row in logits.numpy()]
+        reference = [torch.from_numpy(reference_probs(row, **setting)) for row in logits.numpy()]
+        replay = [int(torch.multinomial(q, 1, generator=generator)) for q in reference]
         assert out.token_ids == replay
+        # log q of the drawn token under the sampled distribution, log p under the raw one (temperature 1)
+        assert out.sampled_logprobs == pytest.approx(
+            [float(torch.log(q[t])) for q, t in zip(reference, out.token_ids)], abs=1e-5)
+        assert out.logprobs == pytest.approx(
+            [float(torch.log_softmax(row.double(), -1)[t]) for row, t in zip(logits, out.token_ids)], abs=1e-5)
 
 
 def test_different_seeds_draw_different_tokens(engine):
