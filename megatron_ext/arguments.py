@@ -208,9 +208,22 @@ class _Parser(argparse.ArgumentParser):
         return arg_line.split("#", 1)[0].split()
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help`: the description keeps its line breaks (the usage examples), and a flag's default is shown only
+    when there is one (not None/False) and its help does not already say it (e.g. "from --model")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "(default:" in text or not action.option_strings or default is None
+                or default is False or default == argparse.SUPPRESS or default == []):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser(description: str = "", extra: Iterable[Callable[[argparse.ArgumentParser], None]] = ()):
     parser = _Parser(description=description, allow_abbrev=False, fromfile_prefix_chars="@",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                     formatter_class=HelpFormatter)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
                 _add_checkpoint_args, _add_logging_args, _add_data_args, *extra):
         add(parser)
@@ -365,6 +378,9 @@ def validate_args(args: argparse.Namespace):
         value = getattr(arch, _ARCH_FLAGS[flag][0])
         if value < 1:
             _fail(f"{flag} must be >= 1, got {value}")
+    # A dry run has no launcher: the number of ranks the flags are meant for comes from WORLD_SIZE.
+    ranks = ("the number of ranks (a --dry-run reads it from WORLD_SIZE, e.g. WORLD_SIZE=512)"
+             if getattr(args, "dry_run", False) and "WORLD_SIZE" not in os.environ else "the number of ranks")
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp),
                         ("--context-parallel-size", cp)):
@@ -373,11 +389,11 @@ def validate_args(args: argparse.Namespace):
     if world % (tp * pp * cp):
         _fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
               f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
-              "change the parallel sizes or the number of ranks")
+              f"change the parallel sizes or {ranks}")
     if world % (ep * etp * pp):
         _fail(f"world size {world} is not divisible by --expert-model-parallel-size {ep} x "
               f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
-              "change the expert-parallel sizes or the number of ranks")
+              f"change the expert-parallel sizes or {ranks}")
     if cp > 1:
         if arch.seq_length % (2 * cp):
             _fail(f"--seq-length {arch.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "

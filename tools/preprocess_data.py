@@ -1,4 +1,4 @@
-"""Tokenise a JSONL corpus into a Megatron indexed dataset (.bin/.idx) for --data-path.
+r"""Tokenise a JSONL corpus into a Megatron indexed dataset (.bin/.idx) for --data-path.
 
     python tools/preprocess_data.py --input data/stdlib.jsonl --output-prefix data/stdlib \
         --tokenizer-type HFTokenizer --tokenizer-model data/tokenizer --workers 2 --append-eod

@@ -1,4 +1,4 @@
-"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
+r"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
 
     python tools/serve.py --load CKPT --use-checkpoint-args --port 8000 [--tokenizer-model DIR]
     python tools/serve.py --hf-dir /data/Kimi-K2.5 --save /data/k25-mg --port 8000    # imported once, then reused
