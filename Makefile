@@ -46,7 +46,7 @@ demo: $(STAMP)
 	$(TORCHRUN) pretrain_composer.py @examples/tiny/extend.args $(DEMO_PRETRAIN_DATA)
 	# stage 3, SFT on packed coding conversations
 	$(TORCHRUN) pretrain_composer.py @examples/tiny/sft.args $(DEMO_SFT_DATA)
-	$(PY) -c "from tests.tb import scalars; \
+	$(PY) -c "from megatron_ext.training.tensorboard import scalars; \
 		v = scalars('$(DEMO)/tb/pretrain')['lm loss validation']; \
 		print('pretrain validation lm loss:', {k: round(x, 3) for k, x in sorted(v.items())}); \
 		assert v[max(v)] < v[min(v)], 'validation loss did not fall'; \

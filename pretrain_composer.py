@@ -1,4 +1,4 @@
-"""Continued pretraining of Kimi K2.5 (and its tiny CPU variants) on Megatron-Core.
+r"""Continued pretraining of Kimi K2.5 (and its tiny CPU variants) on Megatron-Core.
 
     torchrun --nproc-per-node 2 pretrain_composer.py --model tiny --mock-data --tensor-model-parallel-size 2
     python pretrain_composer.py --model tiny --data-path data/stdlib_text_document --split 98,1,1 \
@@ -16,53 +16,17 @@ from functools import partial
 import torch
 
 import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Core is used)
-from megatron.core import parallel_state
 
 from megatron_ext.arguments import ArgumentError, parse_args, require_dataset
 from megatron_ext.data.indexed import DataError
-from megatron_ext.data.provider import DataSources, build_data, mock_sources
-from megatron_ext.data.sft import packed_batch
+from megatron_ext.data.provider import build_data
 from megatron_ext.data.tokenizers import TokenizerError
-from megatron_ext.models import context_parallel
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training import stages
-from megatron_ext.training.loop import TrainingAborted, pretrain
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of masked per-token losses and the token count; the schedule divides, the logger averages."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-    if context_parallel.cp_size() > 1:
-        # A rank holds part of each sequence: divide by the whole sequence's token count, times CP because
-        # gradients are averaged over context-parallel ranks like data-parallel ones.
-        num_tokens = num_tokens.clone()
-        torch.distributed.all_reduce(num_tokens, group=parallel_state.get_context_parallel_group())
-        loss = loss * context_parallel.cp_size()
-    return loss, num_tokens, report
-
-
-def forward_step(data_iterator, model):
-    batch, packed_seq_params = packed_batch(next(data_iterator))  # packed SFT rows: one THD sequence
-    batch = context_parallel.shard_batch(batch, packed_seq_params)  # this rank's chunks under CP
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
-    return output, partial(loss_func, batch["loss_mask"])
-
-
-def train_data_iterator(args, iteration: int, data: DataSources | None = None):
-    """The micro-batches of `iteration` for this rank's data-parallel slot (mock data unless `data` is given)."""
-    return (data or mock_sources(args)).microbatches("train", iteration, args)
-
-
-def valid_data_iterator(args, k: int, data: DataSources | None = None):
-    """The k-th validation batch: the validation split, or mock samples from a stream disjoint from training's."""
-    return (data or mock_sources(args)).microbatches("validation", k, args)
+from megatron_ext.training.lm import forward_step, train_data_iterator, valid_data_iterator  # the LM step
+from megatron_ext.training.loop import TrainingAborted, pretrain, print_args
 
 
 def main(argv=None):
@@ -71,7 +35,8 @@ def main(argv=None):
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    if args.dry_run:  # the resolved configuration (flags and architecture) and the sizes; nothing is built
+        print_args(args)
         print_parameter_counts(args)
         return 0
     try:

@@ -1,9 +1,3 @@
-"""Read TensorBoard scalars back (float32 as written, so equality is bit-exact for fp32 losses)."""
+"""Tests read TensorBoard scalars through the library's reader."""
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-
-def scalars(logdir: str) -> dict[str, dict[int, float]]:
-    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+from megatron_ext.training.tensorboard import scalars  # noqa: F401

@@ -12,8 +12,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_ext import platform
-
 
 def microbatch_indices(iteration: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                        dp_size: int) -> Iterator[range]:
@@ -27,23 +25,9 @@ def microbatch_indices(iteration: int, global_batch_size: int, micro_batch_size:
 
 def microbatches(fetch: Callable[[range], dict], iteration: int, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int) -> Iterator[dict]:
-    """Lazily fetched micro-batches on the model's device: the schedule pulls one at a time, so only one is ever
-    materialised there."""
+    """Lazily fetched micro-batches: the schedule pulls one at a time, so only one is ever materialised."""
     for indices in microbatch_indices(iteration, global_batch_size, micro_batch_size, dp_rank, dp_size):
-        yield to_device(fetch(indices))
-
-
-def to_device(batch: dict, device: torch.device | None = None) -> dict:
-    """Every tensor of a micro-batch (tokens, labels, loss mask, position ids) on `device`, by default the model's
-    (`platform.device()`: the local GPU, or the CPU without CUDA or under MEGATRON_EXT_FORCE_CPU). Data sources
-    build samples on the host; this is where they cross to the device. ``cu_seqlens`` stays on the host:
-    `sft.packed_batch` reads it there (no device-to-host sync) and puts the packed boundaries on the device."""
-    device = device or platform.device()
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k not in HOST_KEYS else v
-            for k, v in batch.items()}
-
-
-HOST_KEYS = ("cu_seqlens",)
+        yield fetch(indices)
 
 
 def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:

@@ -21,9 +21,15 @@ so all ranks hold identical hidden states and logits and draw identical tokens. 
 called in the hot loop (their sequence-parallel and autograd wrappers would scatter a one-token step over the
 ranks and cost more than the arithmetic); their weights are used directly.
 
-Log-probabilities are those of the model's unmodified distribution (temperature 1, no top-k/top-p), which is what
-a teacher-forced forward of the trainer computes for the same ids; sampling itself uses the requested
-temperature / top-k / top-p.
+Each generated token comes with two log-probabilities: `logprobs`, under the model's unmodified distribution
+(log-softmax of the logits over the tokenizer's vocabulary, temperature 1: what a teacher-forced forward of the
+trainer computes for the same ids), and `sampled_logprobs`, under the distribution it was actually drawn from
+(temperature / top-k / top-p applied). Ids of the embedding's padding rows (>= `vocab_size`) are never drawn.
+
+For RL sampling (ENGINE_API in the design notes): per-row sampling parameters and seeds in one batch; rows that
+finish leave the decode batch; the n samples of a prompt share one prefill (`generate_groups`); the experts of
+every token can be returned in the layout Megatron-Core's RouterReplay consumes; `update_weights` copies the
+trainer's parameters in place and bumps `weights_version`, which tags every generated token.
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ class SamplingParams:
     return_routing: bool = False
 
     def validate(self, vocab_size: int):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("max_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -75,10 +91,32 @@ class SamplingParams:
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log p under the raw distribution (temperature 1)
+    sampled_logprobs: list[float] = field(default_factory=list)  # log q under the distribution sampled from
+    versions: list[int] = field(default_factory=list)  # the engine's weights_version when each token was made
     finish_reason: str = "length"  # "stop" (stop id or string) or "length"
     text: Optional[str] = None
-    routing: Optional[list[list[list[int]]]] = None  # [token][moe layer] -> chosen experts
+    # int16 [len(prompt_ids) + len(token_ids), MoE layers, topk]: the experts of every token (row t: position t),
+    # each row in the order Megatron-Core's router ranks them (what RouterReplay records)
+    routing: Optional[torch.Tensor] = None
+
+    def routing_for_replay(self) -> list[torch.Tensor]:
+        """One [tokens, topk] int64 tensor per MoE layer, as RouterReplay.set_replay_data takes for a single
+        sequence in the trainer's token order."""
+        if self.routing is None:
+            raise ValueError("no routing recorded: generate with SamplingParams(return_routing=True)")
+        return [self.routing[:, layer].long() for layer in range(self.routing.size(1))]
+
+
+class _TopKRecorder:
+    """Stands in for a router's RouterReplay while the engine calls the router: records the top-k indices that
+    Megatron-Core's router computes, in the order RouterReplay's RECORD action records them."""
+
+    indices: Optional[torch.Tensor] = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, self.indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        return probs, self.indices
 
 
 class LatentCache:
@@ -172,7 +210,8 @@ class InferenceEngine:
     """Generation with a latent KV cache on a single-stage GPTModel; with TP/EP > 1, every rank of the tensor-
     and expert-parallel groups calls the same methods with the same arguments."""
 
-    def __init__(self, model: torch.nn.Module, detokenize: Optional[Callable[[list[int]], str]] = None):
+    def __init__(self, model: torch.nn.Module, detokenize: Optional[Callable[[list[int]], str]] = None,
+                 vocab_size: Optional[int] = None, weights_version: int = 0):
         model = getattr(model, "module", model)
         cfg = model.config
         if not (model.pre_process and model.post_process):
@@ -189,7 +228,11 @@ class InferenceEngine:
             raise ValueError("the inference engine routes every token to its experts: it does not support "
                              "moe_expert_capacity_factor (token dropping)")
         self.model, self.config, self.detokenize = model, cfg, detokenize
-        self.vocab_size = model.vocab_size
+        self.vocab_size = model.vocab_size  # ids the engine may emit; set_vocab_size narrows it to a tokenizer's
+        if vocab_size is not None:
+            self.set_vocab_size(vocab_size)
+        self.weights_version = weights_version
+        self.prefill_tokens = 0  # prompt tokens run through prefill forwards (a group's prompt counts once)
         self.layers = list(model.decoder.layers)
         for layer in self.layers:
             if not isinstance(layer.self_attention, MLASelfAttention):
@@ -205,6 +248,13 @@ class InferenceEngine:
         # s new tokens absorbed wins while s (2r - dn - dv) < r (dn + dv).
         self.absorb_max_tokens = (r * (dn + dv)) // (2 * r - dn - dv) if 2 * r > dn + dv else 1 << 30
         self._rope_tables, self._fast_router = {}, {}
+
+    def set_vocab_size(self, vocab_size: int):
+        """Limit generation to the tokenizer's ids: the embedding's padding rows are never sampled."""
+        if not 1 <= vocab_size <= self.model.vocab_size:
+            raise ValueError(f"vocabulary size {vocab_size} must be between 1 and the model's (padded) "
+                             f"{self.model.vocab_size}: the tokenizer does not fit this model")
+        self.vocab_size = vocab_size
 
     @property
     def device(self) -> torch.device:
@@ -337,7 +387,7 @@ class InferenceEngine:
         fast = self._fast_router.get(id(router))
         if fast is None:
             fast = (router.score_function == "sigmoid" and router.routing_type != "sinkhorn"
-                    and router.router_replay is None and router.bias is None
+                    and router.bias is None
                     and cfg.moe_input_jitter_eps is None
                     and not cfg.moe_router_force_load_balancing and not cfg.moe_router_fusion
                     and not (cfg.moe_router_group_topk and (cfg.moe_router_num_groups or 1) > 1))
@@ -353,12 +403,18 @@ class InferenceEngine:
             if cfg.moe_router_topk_scaling_factor:
                 weights = weights * cfg.moe_router_topk_scaling_factor
         else:  # without capacity dropping (refused) every token has exactly top-k experts
-            probs, routing_map = router(flat.unsqueeze(1))
-            chosen = routing_map.nonzero()[:, 1].view(flat.size(0), -1)
+            recorder, replay = _TopKRecorder(), router.router_replay
+            router.router_replay = recorder  # records Megatron's top-k; a trainer's replay action never applies
+            try:
+                probs, routing_map = router(flat.unsqueeze(1))
+            finally:
+                router.router_replay = replay
+            chosen = recorder.indices
+            if chosen is None:  # sinkhorn / fused routing: the experts, in ascending order
+                chosen = routing_map.nonzero()[:, 1].view(flat.size(0), -1)
             weights = probs.gather(1, chosen)
         if routing is not None:
-            rows = torch.arange(flat.size(0), device=flat.device).repeat_interleave(chosen.size(1))
-            routing.append(torch.stack((rows, chosen.sort(dim=1).values.flatten()), dim=1))
+            routing.append(chosen)
         return chosen, weights.to(flat.dtype)
 
     def _moe(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
@@ -422,8 +478,8 @@ class InferenceEngine:
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
                routing: Optional[list] = None) -> torch.Tensor:
         """Final-normed hidden states [s, b, h] of `tokens` [b, s] at `positions` [b, s], placed after each
-        sample's `lengths` [b] cached tokens (their latents are appended). `routing`, when a list, receives the
-        (token, expert) pairs of every MoE layer."""
+        sample's `lengths` [b] cached tokens (their latents are appended). `routing`, when a list, receives each
+        MoE layer's chosen experts [s * b, topk] (rows in [s, b] order, experts as the router ranks them)."""
         with platform.without_device_mapping():
             step = self._step(positions, lengths, cache)
             x = self._embed(tokens)
@@ -477,107 +533,348 @@ class InferenceEngine:
     # generation
     # ---------------------------------------------------------------------------------------------------
 
-    def agreed_seed(self, seed: Optional[int]) -> Optional[int]:
-        """A request without a seed draws one; ranks that cooperate on a request must draw the same tokens, so
-        they agree on it (the largest drawn, over the tensor- then the expert-parallel group)."""
-        if seed is not None or (self.groups.tp is None and self.groups.ep is None):
-            return seed
-        value = torch.randint(0, 2 ** 62, (1,), dtype=torch.long)
-        for group in (self.groups.tp, self.groups.ep):
-            if group is not None:
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return int(value)
+    def collective_device(self, group=None) -> torch.device:
+        """Where tensors of a collective over `group` live: NCCL takes only CUDA tensors, gloo host tensors."""
+        return self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def agreed_seeds(self, seeds: list[Optional[int]]) -> list[int]:
+        """Requests without a seed draw one; ranks that cooperate on a request must draw the same tokens, so
+        they agree on the drawn ones (the largest, over the tensor- then the expert-parallel group), all in one
+        all-reduce per group."""
+        missing = [i for i, s in enumerate(seeds) if s is None]
+        if not missing:
+            return list(seeds)
+        groups = [g for g in (self.groups.tp, self.groups.ep) if g is not None]
+        device = self.collective_device(groups[0]) if groups else torch.device("cpu")
+        drawn = torch.randint(0, 2 ** 62, (len(missing),), dtype=torch.long, device=device)
+        for group in groups:
+            dist.all_reduce(drawn, op=dist.ReduceOp.MAX, group=group)
+        out = list(seeds)
+        for i, value in zip(missing, drawn.tolist()):
+            out[i] = value
+        return out
+
+    def agreed_seed(self, seed: Optional[int]) -> int:
+        return self.agreed_seeds([seed])[0]
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A generator on the device tokens are drawn on (the model's)."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def check_request(self, prompts: list[list[int]], params: list[SamplingParams]):
+        """Raise ValueError naming the problem if prompt i with params[i] cannot be generated for."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        params.validate(self.vocab_size)
+        for p in params:
+            p.validate(self.vocab_size)
         bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        longest = max(len(p) + r.max_tokens for p, r in zip(prompts, params))
+        if longest > self.model.max_sequence_length:
+            raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {self.model.max_sequence_length}")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Optional[Callable[[int, int, float], None]] = None) -> list[Completion]:
+        """One completion per prompt. `params` is shared by every row (row i then draws with seed + i) or given
+        per row (each row uses its own seed). `on_token(row, token_id, logprob)` is called as each token is drawn."""
+        if isinstance(params, SamplingParams):
+            rows = [params] * len(prompts)
+            seeds = [params.seed + i if params.seed is not None else None for i in range(len(prompts))]
+        else:
+            rows = list(params)
+            if len(rows) != len(prompts):
+                raise ValueError(f"{len(rows)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+            seeds = [p.seed for p in rows]
+        return self._generate_rows(prompts, rows, seeds, [1] * len(prompts), on_token)
+
+    @torch.inference_mode()
+    def generate_groups(self, prompts: list[list[int]], n: int | list[int],
+                        params: SamplingParams | list[SamplingParams],
+                        on_token: Optional[Callable[[int, int, float], None]] = None) -> list[list[Completion]]:
+        """`n` samples of each prompt (or n[i] of prompt i); the samples of a prompt share one prefill (its cache
+        is forked n ways). Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j].
+        `on_token(row, token_id, logprob)` numbers the rows prompt by prompt, sample by sample."""
+        counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
+        if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
+        seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
+        flat = self._generate_rows(prompts, rows, seeds, counts, on_token)
+        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
+
+    def _generate_rows(self, prompts, rows, seeds, counts: list[int], on_token=None) -> list[Completion]:
+        self.check_request([prompts[i] for i in _prompt_of(counts)], rows)
         was_training = self.model.training
         self.model.eval()
         try:
             with platform.without_device_mapping():
-                return self._generate(prompts, params)
+                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        b = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])
-        max_len = int(lens.max()) + params.max_tokens
-        if max_len > self.model.max_sequence_length:
-            raise ValueError(f"prompt + max_tokens = {max_len} exceeds the model's {self.model.max_sequence_length}")
-        cache = self.new_cache(len(self.layers), b, max_len)
-        seed = self.agreed_seed(params.seed)
-        generators = [torch.Generator().manual_seed(seed + i) if seed is not None else None for i in range(b)]
-        out = [Completion(prompt_ids=list(p), routing=[] if params.return_routing else None) for p in prompts]
+    def num_moe_layers(self) -> int:
+        return sum(1 for layer in self.layers if getattr(layer.mlp, "router", None) is not None)
 
-        # prefill: right-padded prompts; pad positions write latents past each prompt that decoding overwrites
-        width = int(lens.max())
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(width).unsqueeze(0).expand(b, -1).contiguous()
-        hidden = self.hidden(tokens, positions, cache, torch.zeros(b, dtype=torch.long))
-        last = self.logits(hidden[lens - 1, torch.arange(b)].unsqueeze(0))[:, 0]  # [b, vocab]
-        lengths = lens.clone()
-        done = torch.zeros(b, dtype=torch.bool)
-        for step in range(params.max_tokens):
-            next_ids, logprobs = self._sample(last, params, generators)
-            for i in range(b):
-                if done[i]:
-                    continue
-                c = out[i]
-                c.token_ids.append(int(next_ids[i]))
-                c.logprobs.append(float(logprobs[i]))
-                if int(next_ids[i]) in params.stop_token_ids:
-                    c.finish_reason, done[i] = "stop", True
-                elif params.stop and self.detokenize is not None:
-                    text = self.detokenize(c.token_ids)
-                    hit = [text.index(s) for s in params.stop if s in text]
-                    if hit:
-                        c.text, c.finish_reason, done[i] = text[: min(hit)], "stop", True
-            if done.all() or step == params.max_tokens - 1:
+    # ---------------------------------------------------------------------------------------------------
+    # weights
+    # ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, source, version: Optional[int] = None, strict: bool = True) -> int:
+        """Copy new weights in place, without a checkpoint round trip: `source` is the trainer's model (a module,
+        possibly wrapped in DDP / Float16Module, or a list of model chunks) holding the same Megatron parameter
+        names and shards, or an iterable of (name, tensor) pairs. Every name and shape is checked before anything
+        is copied (a mismatch changes nothing); with `strict`, every weight of the engine's model must be given.
+        Returns the new weights_version (`version`, or the old one + 1)."""
+        target = model_weights(self.model)
+        incoming = _source_weights(source)
+        unknown = sorted(set(incoming) - set(target))
+        if unknown:
+            raise ValueError(f"update_weights: {len(unknown)} weight(s) the serving model does not have, e.g. "
+                             f"{unknown[:3]} (same architecture and parallel layout needed)")
+        missing = sorted(set(target) - set(incoming))
+        if strict and missing:
+            raise ValueError(f"update_weights: {len(missing)} weight(s) of the serving model not given, e.g. "
+                             f"{missing[:3]} (pass strict=False for a partial update)")
+        wrong = [f"{k}: {tuple(incoming[k].shape)} for {tuple(target[k].shape)}" for k in sorted(incoming)
+                 if tuple(incoming[k].shape) != tuple(target[k].shape)]
+        if wrong:
+            raise ValueError(f"update_weights: shape mismatch (given for serving) in {len(wrong)} weight(s): "
+                             + "; ".join(wrong[:3]))
+        for name, tensor in incoming.items():
+            if not (tensor.is_floating_point() or not target[name].is_floating_point()):
+                raise ValueError(f"update_weights: {name} is {tensor.dtype}, the serving model needs floating point")
+        for name, tensor in incoming.items():
+            dst = target[name]
+            if dst.data_ptr() != tensor.data_ptr() or dst.device != tensor.device:  # not the very same storage
+                dst.copy_(tensor)
+        self.weights_version = self.weights_version + 1 if version is None else int(version)
+        return self.weights_version
+
+
+def _prompt_of(counts: list[int]) -> list[int]:
+    """The prompt index of each row when prompt i has counts[i] rows."""
+    return [i for i, c in enumerate(counts) for _ in range(c)]
+
+
+def model_weights(model) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (e.g. the routers' expert bias) by their Megatron names, with the
+    DDP / Float16Module wrappers' `module.` prefixes removed."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    out = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def _source_weights(source) -> dict[str, torch.Tensor]:
+    if isinstance(source, torch.nn.Module):
+        return model_weights(source)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(m, torch.nn.Module) for m in source):
+        if len(source) != 1:
+            raise ValueError(f"update_weights: {len(source)} model chunks given; the engine serves one stage "
+                             "(virtual pipeline stages are not supported for generation)")
+        return model_weights(source[0])
+    out = {}
+    for item in source.items() if isinstance(source, dict) else source:
+        name, tensor = item
+        while name.startswith("module."):
+            name = name[len("module."):]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update_weights: {name} is a {type(tensor).__name__}, not a tensor")
+        if name in out:
+            raise ValueError(f"update_weights: {name} given twice")
+        out[name] = tensor
+    return out
+
+
+class _Batch:
+    """One batched generation: prompt i has counts[i] rows (samples); the prompts are prefilled once and each
+    one's cache is forked to its rows. Rows that finish leave the decode batch (their cache rows are dropped); a
+    row that returns routing takes part in one more forward of its last token, for that token's experts."""
+
+    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int],
+                 counts: list[int], on_token=None):
+        self.engine, self.prompts, self.rows, self.counts, self.on_token = engine, prompts, rows, counts, on_token
+        self.prompt_of = _prompt_of(counts)
+        dev = engine.device
+        self.generators = [engine.generator(s) for s in seeds]
+        self.version = engine.weights_version
+        self.want_routing = [p.return_routing for p in rows]
+        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
+        greedy = [p.temperature == 0 for p in rows]
+        self.any_sampled = not all(greedy)
+        self.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows],
+                                        dtype=torch.float64, device=dev)
+        self.top_k = torch.tensor([p.top_k for p in rows], dtype=torch.long, device=dev)
+        self.top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float64, device=dev)
+        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=dev)
+        self.routing_steps: list[tuple[torch.Tensor, list[int]]] = []  # ([rows, moe layers, topk], row ids)
+
+    def run(self) -> list[Completion]:
+        eng, dev = self.engine, self.engine.device
+        prompts = self.prompts
+        lens = [len(p) for p in prompts]
+        max_len = max(len(c.prompt_ids) + r.max_tokens for c, r in zip(self.out, self.rows))
+        record = any(self.want_routing)
+
+        # prefill each prompt once: right-padded; pad positions write latents that decoding overwrites
+        width, P = max(lens), len(prompts)
+        cache = eng.new_cache(len(eng.layers), P, max_len)
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=dev)
+        positions = torch.arange(width, device=dev).unsqueeze(0).expand(P, -1).contiguous()
+        routing = [] if record else None
+        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing)
+        eng.prefill_tokens += sum(lens)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
+        counts = torch.tensor(self.counts, dtype=torch.long, device=dev)
+        if any(c != 1 for c in self.counts):  # fork each prompt's cache to its samples
+            cache.kv = [t.repeat_interleave(counts, dim=0) for t in cache.kv]
+            last = last.repeat_interleave(counts, dim=0)
+        if record:
+            self.prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
+
+        in_cache = list(range(len(self.rows)))  # the rows the cache holds, in its batch order
+        active = list(in_cache)  # rows still generating; `last` holds their next-token logits
+        lengths = lens_t.repeat_interleave(counts)  # tokens in the cache of each cached row
+        while True:
+            ids = self._sample(last, active)
+            going, forward = [], []
+            for r, token in zip(active, ids):
+                if not self._emit(r, token):
+                    going.append(r)
+                    forward.append(r)
+                elif self.want_routing[r]:
+                    forward.append(r)  # once more, for the routing of its last token
+            if not forward:
                 break
-            routing = [] if params.return_routing else None
-            last = self.forward(next_ids.unsqueeze(1), lengths.unsqueeze(1), cache, lengths, routing)[:, 0]
-            if routing is not None:
-                for i, c in enumerate(out):
-                    if not done[i]:
-                        c.routing.append([r[r[:, 0] == i, 1].tolist() for r in routing])
+            if forward != in_cache:  # finished rows leave the batch: the others move up, in place
+                where = {r: i for i, r in enumerate(in_cache)}
+                keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
+                used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
+                for t in cache.kv:
+                    t[: len(forward), :used] = t[keep, :used]
+                cache.kv = [t[: len(forward)] for t in cache.kv]
+                lengths = lengths.index_select(0, keep)
+                in_cache = forward
+            new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
+            routing = [] if record else None
+            hidden = eng.hidden(new, lengths.unsqueeze(1), cache, lengths, routing)
             lengths = lengths + 1
-        for c in out:
-            if c.text is None and self.detokenize is not None:
-                c.text = self.detokenize(c.token_ids)
-        return out
+            if record:
+                self.routing_steps.append((torch.stack(routing, dim=1).to(torch.int16), list(forward)))
+            if not going:
+                break
+            if len(going) != len(forward):
+                where = {r: i for i, r in enumerate(forward)}
+                hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
+            last = eng.logits(hidden)[:, 0]
+            active = going
+        self._finish()
+        return self.out
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, generators) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits[:, : self.vocab_size]
-        logprobs_all = torch.log_softmax(logits.double(), dim=-1)
-        if params.temperature == 0:
-            ids = logits.argmax(-1)
+    def _sample(self, logits: torch.Tensor, active: list[int]) -> list[tuple[int, float, float]]:
+        """(token, raw logprob, sampled logprob) for each active row: drawn from the row's sampling
+        distribution with its own generator; padded-vocabulary ids are never drawn."""
+        logits = logits[:, : self.engine.vocab_size]
+        index = torch.tensor(active, dtype=torch.long, device=logits.device)
+        greedy = self.greedy[index]
+        raw = torch.log_softmax(logits.double(), dim=-1)
+        if self.any_sampled:
+            q = row_sampling_probs(logits, self.temperature[index], self.top_k[index], self.top_p[index], greedy)
+            draws = [torch.argmax(raw[i]) if self.rows[r].temperature == 0 else
+                     torch.multinomial(q[i], 1, generator=self.generators[r])[0] for i, r in enumerate(active)]
+            ids = torch.stack(draws)
+            sampled = torch.log(q.gather(-1, ids.unsqueeze(-1)).squeeze(-1))
         else:
-            probs = sampling_probs(logits, params)
-            ids = torch.stack([torch.multinomial(probs[i], 1, generator=generators[i])[0]
-                               for i in range(probs.size(0))])
-        return ids, logprobs_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            ids = logits.argmax(-1)
+            sampled = torch.zeros(len(active), dtype=torch.float64, device=logits.device)
+        chosen = raw.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        values = torch.stack((ids.double(), chosen, sampled)).tolist()  # one device-to-host transfer
+        return [(int(t), lp, slp) for t, lp, slp in zip(*values)]
+
+    def _emit(self, r: int, token) -> bool:
+        """Append a sampled token to row r; True when the row is finished."""
+        token, logprob, sampled = token
+        c, params = self.out[r], self.rows[r]
+        c.token_ids.append(token)
+        c.logprobs.append(logprob)
+        c.sampled_logprobs.append(sampled)
+        c.versions.append(self.version)
+        if self.on_token is not None:
+            self.on_token(r, token, logprob)
+        return _finished(c, params, self.engine.detokenize)
+
+    def _finish(self):
+        eng = self.engine
+        if any(self.want_routing):
+            prompt = self.prompt_routing.cpu()
+            steps = [(t.cpu(), {r: i for i, r in enumerate(rows)}) for t, rows in self.routing_steps]
+            for r, c in enumerate(self.out):
+                if self.want_routing[r]:
+                    parts = [prompt[: len(c.prompt_ids), self.prompt_of[r]]]
+                    parts += [t[where[r]].unsqueeze(0) for t, where in steps if r in where]
+                    c.routing = torch.cat(parts)
+        for c in self.out:
+            if c.text is None and eng.detokenize is not None:
+                c.text = eng.detokenize(c.token_ids)
+
+
+def _finished(c: Completion, params: SamplingParams, detokenize) -> bool:
+    """Whether the completion's newest token ends it (stop id, stop string, max_tokens); sets finish_reason
+    and, at a stop string, the text cut before it."""
+    if c.token_ids[-1] in params.stop_token_ids:
+        c.finish_reason = "stop"
+        return True
+    if params.stop and detokenize is not None:
+        text = detokenize(c.token_ids)
+        hit = [text.index(s) for s in params.stop if s in text]
+        if hit:
+            c.text, c.finish_reason = text[: min(hit)], "stop"
+            return True
+    return len(c.token_ids) >= params.max_tokens
+
+
+def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       greedy: torch.Tensor) -> torch.Tensor:
+    """The distributions tokens are drawn from, one row per request [b, vocab] (float64): temperature, then
+    top-k (ties with the k-th kept), then top-p (the smallest set of most likely tokens reaching p); one-hot on
+    the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]."""
+    scores = logits.double() / temperature.unsqueeze(-1)
+    vocab = scores.size(-1)
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):  # else no sort over the vocabulary
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
+        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
+        p = torch.softmax(sorted_scores, -1)
+        beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores.masked_fill(beyond, -math.inf))
+    probs = torch.softmax(scores, dim=-1)
+    if bool(greedy.any()):
+        probs = torch.where(greedy.unsqueeze(-1), F.one_hot(logits.argmax(-1), vocab).double(), probs)
+    return probs
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution tokens are drawn from, over the last dim: temperature, then top-k, then top-p (the
-    smallest set of most likely tokens reaching p); one-hot on the argmax when greedy."""
-    if params.temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.size(-1)).double()
-    scores = logits.double() / params.temperature
-    if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.size(-1)), dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-        p = torch.softmax(sorted_scores, -1)
-        sorted_scores = sorted_scores.masked_fill(p.cumsum(-1) - p >= params.top_p, -math.inf)
-        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
-    return torch.softmax(scores, dim=-1)
+    """The distribution tokens are drawn from under `params`, over the last dim of `logits` [..., vocab]."""
+    flat = logits.reshape(-1, logits.size(-1))
+    b, dev = flat.size(0), logits.device
+
+    def full(value, dtype):
+        return torch.full((b,), value, dtype=dtype, device=dev)
+
+    probs = row_sampling_probs(flat, full(params.temperature if params.temperature > 0 else 1.0, torch.float64),
+                               full(params.top_k, torch.long), full(params.top_p, torch.float64),
+                               full(params.temperature == 0, torch.bool))
+    return probs.view(*logits.shape)

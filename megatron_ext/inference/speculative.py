@@ -8,7 +8,11 @@ and the argmax after the last kept one comes for free, so the output is token-fo
 decoding. Sampling: draft d_i ~ q_i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
 a token is drawn from max(0, p_i - q_i) normalised and the round ends; if all are kept, one more token is drawn
 from p_{D+1}. This leaves the output distributed exactly as the main model's (standard speculative sampling).
-Log-probabilities returned are the main model's, as in plain generation.
+Log-probabilities returned are the main model's, as in plain generation: `logprobs` under its raw distribution,
+`sampled_logprobs` under its sampling distribution (which the accepted-or-resampled token follows exactly).
+Routing, when asked for, is the main model's: the prompt's from the prefill, each emitted token's from the
+verify forward that fed it once its prefix was final (a rejected draft's rows are dropped), and the last token's
+from one more forward of it.
 
 Caches: the main model's and each MTP layer's latent caches only ever hold positions whose inputs are final
 (emitted tokens); rows written from drafts lie beyond that frontier and are overwritten by the next round.
@@ -17,12 +21,12 @@ Caches: the main model's and each MTP layer's latent caches only ever hold posit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_ext import platform
-from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, sampling_probs
+from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, _finished, sampling_probs
 
 
 @dataclass
@@ -59,8 +63,10 @@ def _draw(probs: torch.Tensor, generator) -> int:
 
 @torch.inference_mode()
 def generate_speculative(engine: InferenceEngine, prompt: list[int], params: SamplingParams,
-                         stats: SpeculationStats | None = None, depth: Optional[int] = None) -> Completion:
-    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has)."""
+                         stats: SpeculationStats | None = None, depth: Optional[int] = None,
+                         on_token: Optional[Callable[[int, int, float], None]] = None) -> Completion:
+    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has); `on_token(0,
+    token_id, logprob)` is called as each token is emitted."""
     layers = len(engine.mtp_layers)
     if layers == 0:
         raise ValueError("speculative decoding needs a model with MTP layers (--mtp-num-layers >= 1)")
@@ -79,7 +85,7 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
     model.eval()
     try:
         with platform.without_device_mapping():
-            return _Speculation(engine, prompt, params, stats, depth).run()
+            return _Speculation(engine, prompt, params, stats, depth, on_token).run()
     finally:
         model.train(was_training)
 
@@ -89,32 +95,58 @@ class _Speculation:
     states cover positions < L - 1; MTP layer k's cache covers positions < fed[k]. inputs[k, j] is MTP layer
     k's hidden input at position j (the main model's final hidden state for k = 0, layer k-1's output else)."""
 
-    def __init__(self, engine: InferenceEngine, prompt: list[int], params: SamplingParams, stats, depth: int):
-        self.engine, self.params, self.stats, self.depth = engine, params, stats, depth
+    def __init__(self, engine: InferenceEngine, prompt: list[int], params: SamplingParams, stats, depth: int,
+                 on_token=None):
+        self.engine, self.params, self.stats, self.depth, self.on_token = engine, params, stats, depth, on_token
         self.vocab = engine.vocab_size
         n = len(prompt)
         max_len = n + params.max_tokens + depth + 1
         if max_len > engine.model.max_sequence_length:
             raise ValueError(f"prompt + max_tokens exceeds the model's {engine.model.max_sequence_length}")
+        self.dev = engine.device
         self.main_cache = engine.new_cache(len(engine.layers), 1, max_len)
         self.mtp_cache = engine.new_cache(depth, 1, max_len)
-        self.inputs = torch.empty(depth, max_len, engine.config.hidden_size, dtype=engine.dtype, device=engine.device)
+        self.inputs = torch.empty(depth, max_len, engine.config.hidden_size, dtype=engine.dtype, device=self.dev)
         self.fed = [0] * depth
-        seed = engine.agreed_seed(params.seed)
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.generator = engine.generator(engine.agreed_seed(params.seed))
         self.tokens = list(prompt)
         self.out = Completion(prompt_ids=list(prompt))
+        self.routing: Optional[list[torch.Tensor]] = [] if params.return_routing else None  # [positions, L, k]
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.dev)
+
+    def _positions(self, start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, device=self.dev).unsqueeze(0)
+
+    def _main(self, tokens: list[int], start: int, keep: Optional[int] = None):
+        """Main-model forward of `tokens` at positions start..; records the routing of the first `keep` of them
+        (default: all) once the caller knows how many are final (see _keep_routing)."""
+        routing = [] if self.routing is not None else None
+        logits, hidden = self.engine.forward_with_hidden(self._tensor([tokens]), self._positions(start, start + len(tokens)),
+                                                         self.main_cache, self._tensor([start]), routing)
+        self.stats.main_forwards += 1
+        self._pending = torch.stack(routing, dim=1) if routing is not None else None
+        return logits, hidden
+
+    def _keep_routing(self, count: int):
+        if self._pending is not None and count > 0:
+            self.routing.append(self._pending[:count])
 
     def run(self) -> Completion:
         engine, n = self.engine, len(self.tokens)
-        hidden = engine.hidden(torch.tensor([self.tokens]), torch.arange(n).unsqueeze(0), self.main_cache,
-                               torch.tensor([0]))
-        self.stats.main_forwards += 1
+        logits, hidden = self._main(self.tokens, 0)
+        self._keep_routing(n)
         self.inputs[0, :n] = hidden[:, 0]
-        last = engine.logits(hidden[-1:])[0, 0, : self.vocab]
+        last = logits[0, -1, : self.vocab]
         done = self._emit(self._pick(last), last)
         while not done:
             done = self._round()
+        if self.routing is not None:  # the newest token's experts: one more forward of it
+            L = len(self.tokens)
+            self._main(self.tokens[L - 1:], L - 1)
+            self._keep_routing(1)
+            self.out.routing = torch.cat(self.routing).to(torch.int16).cpu()
         if engine.detokenize is not None and self.out.text is None:
             self.out.text = engine.detokenize(self.out.token_ids)
         return self.out
@@ -128,19 +160,17 @@ class _Speculation:
         """Append a token; True when generation is over (stop id, stop string or max_tokens)."""
         out = self.out
         out.token_ids.append(token)
-        out.logprobs.append(float(torch.log_softmax(main_logits.double(), -1)[token]))
+        sampled = 0.0 if self.params.temperature == 0 else sampling_probs(main_logits, self.params)[token].log()
+        values = torch.stack((torch.log_softmax(main_logits.double(), -1)[token],
+                              torch.as_tensor(sampled, dtype=torch.float64, device=main_logits.device))).tolist()
+        out.logprobs.append(values[0])
+        out.sampled_logprobs.append(values[1])
+        out.versions.append(self.engine.weights_version)
         self.tokens.append(token)
         self.stats.tokens += 1
-        if token in self.params.stop_token_ids:
-            out.finish_reason = "stop"
-            return True
-        if self.params.stop and self.engine.detokenize is not None:
-            text = self.engine.detokenize(out.token_ids)
-            hit = [text.index(s) for s in self.params.stop if s in text]
-            if hit:
-                out.text, out.finish_reason = text[: min(hit)], "stop"
-                return True
-        return len(out.token_ids) >= self.params.max_tokens
+        if self.on_token is not None:
+            self.on_token(0, token, values[0])
+        return _finished(out, self.params, self.engine.detokenize)
 
     def _draft(self) -> tuple[list[int], list[Optional[torch.Tensor]]]:
         """D drafts (and their distributions when sampling), feeding each MTP layer every position since its
@@ -150,8 +180,8 @@ class _Speculation:
         for k in range(self.depth):
             start = self.fed[k]
             ahead = (self.tokens + drafts)[start + k + 1: L + k]  # token j + k + 1 for positions j in [start, L-1)
-            out = engine.mtp_hidden(k, self.inputs[k, start: L - 1].unsqueeze(1), torch.tensor([ahead]),
-                                    torch.arange(start, L - 1).unsqueeze(0), self.mtp_cache, torch.tensor([start]))
+            out = engine.mtp_hidden(k, self.inputs[k, start: L - 1].unsqueeze(1), self._tensor([ahead]),
+                                    self._positions(start, L - 1), self.mtp_cache, self._tensor([start]))
             if k + 1 < self.depth:
                 self.inputs[k + 1, start: L - 1] = out[:, 0]
             self.fed[k] = L - 1 - k  # later positions used a draft: recomputed next round
@@ -166,12 +196,16 @@ class _Speculation:
         return drafts, dists
 
     def _round(self) -> bool:
-        engine, params, L = self.engine, self.params, len(self.tokens)
+        L = len(self.tokens)
+        done = self._verify()
+        # positions L-1 .. len-2 were fed with their final tokens (the newest is fed next round, or at the end)
+        self._keep_routing(len(self.tokens) - L)
+        return done
+
+    def _verify(self) -> bool:
+        params, L = self.params, len(self.tokens)
         drafts, dists = self._draft()
-        fed = [self.tokens[L - 1]] + drafts
-        logits, hidden = engine.forward_with_hidden(torch.tensor([fed]), torch.arange(L - 1, L + len(drafts))
-                                                    .unsqueeze(0), self.main_cache, torch.tensor([L - 1]))
-        self.stats.main_forwards += 1
+        logits, hidden = self._main([self.tokens[L - 1]] + drafts, L - 1)
         self.inputs[0, L - 1: L + len(drafts)] = hidden[:, 0]  # rows past the accepted drafts are redone later
         logits = logits[0, :, : self.vocab]
         for i, (d, q) in enumerate(zip(drafts, dists)):
@@ -181,7 +215,7 @@ class _Speculation:
                 accepted = target == d
             else:
                 p = sampling_probs(p_logits, params)
-                u = torch.rand(1, generator=self.generator, dtype=torch.float64)
+                u = torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.dev)
                 accepted = bool(u < min(1.0, float(p[d] / q[d])))
             self.stats.count(i, accepted)
             if not accepted:

@@ -125,31 +125,3 @@ def describe(args: argparse.Namespace, previous) -> str:
     parts.append("optimizer state and schedule " + ("kept" if args.stage_keep_optimizer else "start fresh"))
     return "; ".join(parts)
 
-
-def window_loss(flags: list[str], path: str, batches) -> float:
-    """Mean per-token loss of the weights under `path`, built with `flags` on one rank, over (tokens, labels)
-    batches: how YaRN changes what a model does at the context it was trained for."""
-    import torch
-
-    from megatron_ext import platform
-    from megatron_ext.arguments import parse_args
-    from megatron_ext.training.checkpointing import load_weights
-    from megatron_ext.training.initialize import destroy, initialize_distributed
-    from megatron_ext.training.step import build_model
-
-    args = parse_args(flags, world_size=1)
-    initialize_distributed(args)
-    try:
-        model = build_model(args, wrap_ddp=False)
-        load_weights(args, model, path, log=lambda *a: None)
-        model[0].eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for tokens, labels in batches:
-                tokens, labels = tokens.to(platform.device()), labels.to(platform.device())
-                position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-                losses = model[0](tokens, position_ids, None, labels=labels)
-                total, count = total + float(losses.sum()), count + losses.numel()
-        return total / count
-    finally:
-        destroy()

@@ -1,4 +1,5 @@
-"""Run pretrain_composer.py's own forward step under a parallel layout in gloo worker processes.
+"""Run the library's LM step (megatron_ext.training.lm, which pretrain_composer.py trains with) under a parallel
+layout in gloo worker processes.
 
 Every run starts from the same layout-invariant weights (megatron_ext.testing) and sees the same global batches,
 so any two layouts must produce the same losses and gradient norms up to floating-point reassociation.
@@ -49,13 +50,13 @@ def invariant_model(flags: list[str], world: int, seed: int):
 
 
 def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
-            batches: list | None = None, param_grads: bool = False):
+            batches: list | None = None, param_grads: bool = False, full_grads: bool = False):
     join(rank, world, port)
     import megatron_ext  # noqa: F401
-    import pretrain_composer as entry
     from megatron_ext.arguments import parse_args
-    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.testing import gather_full_gradients, init_layout_invariant_
     from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.lm import forward_step, train_data_iterator
     from megatron_ext.training.step import setup_model_and_optimizer, train_step
 
     args = parse_args(flags, world_size=world)
@@ -64,12 +65,16 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     results = []
     for iteration in range(steps):
-        data = iter(batches[iteration]) if batches else entry.train_data_iterator(args, iteration)
-        r = train_step(entry.forward_step, data, model, optimizer, args, num_microbatches)
+        data = iter(batches[iteration]) if batches else train_data_iterator(args, iteration)
+        r = train_step(forward_step, data, model, optimizer, args, num_microbatches)
         results.append({"losses": r["losses"], "grad_norm": float(r["grad_norm"])})
         if param_grads:  # rank 0's reduced gradient of each parameter (whole when nothing shards it)
             results[-1]["param_grads"] = {name: float(p.main_grad.double().norm())
                                           for name, p in model[0].named_parameters()}
+        if full_grads:  # every parameter's reduced gradient at its one-rank shape, keyed by checkpoint key
+            grads = gather_full_gradients(model[0].module)
+            if rank == 0:
+                torch.save(grads, f"{out}.grads{iteration}.pt")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -77,18 +82,23 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
 
 
 def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1,
-               batches: list | None = None, param_grads: bool = False) -> list[dict]:
+               batches: list | None = None, param_grads: bool = False, full_grads: bool = False) -> list[dict]:
     """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms.
 
     `batches[i]` (optional) lists the micro-batches of step i, given to every rank (layouts without data
     parallelism); otherwise the entry script's mock data is used. `param_grads` adds rank 0's gradient norm of
-    every parameter per step."""
+    every parameter per step; `full_grads` adds "full_grads": {checkpoint key: the step's reduced gradient at its
+    one-rank shape} (gathered over all ranks; not with the distributed optimizer, whose buffers hold a shard)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads,
+                                          full_grads), nprocs=world, join=True, start_method="spawn")
         with open(out) as f:
-            return json.load(f)
+            results = json.load(f)
+        if full_grads:
+            for iteration, r in enumerate(results):
+                r["full_grads"] = torch.load(f"{out}.grads{iteration}.pt")
+        return results
 
 
 def _entry_worker(rank: int, world: int, port: int, argv: list[str]):

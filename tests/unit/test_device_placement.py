@@ -11,7 +11,7 @@ import pretrain_composer as entry
 from megatron_ext import platform
 from megatron_ext.arguments import parse_args
 from megatron_ext.data import batches
-from megatron_ext.data.sft import packed_batch
+from megatron_ext.training import lm
 from megatron_ext.models.provider import model_provider
 from megatron_ext.mtp import distill
 from megatron_ext.testing import DevicePlacementError, meta_device_as_gpu
@@ -49,7 +49,7 @@ def test_training_step_runs_with_every_tensor_on_the_device(dense_args):
 
 def test_the_check_catches_a_host_batch(dense_args, monkeypatch):
     """The check has teeth: batches left on the host (the bug this fixes) raise at the embedding."""
-    monkeypatch.setattr(batches, "to_device", lambda batch, device=None: batch)
+    monkeypatch.setattr(lm, "to_device", lambda batch, packed=None, device=None: (batch, packed))
     with meta_device_as_gpu():
         with torch.device("meta"):
             model = model_provider(dense_args)
@@ -62,11 +62,8 @@ def test_micro_batches_and_packed_params_on_the_device():
                          "loss_mask": torch.ones(len(idx), 8),
                          "cu_seqlens": torch.tensor([[0, 3, 8, -1]] * len(idx), dtype=torch.int32)}
     with meta_device_as_gpu():
-        batch = next(batches.microbatches(fetch, 0, 4, 2, 0, 1))
-        assert batch["tokens"].device.type == batch["loss_mask"].device.type == "meta"
-        assert batch["cu_seqlens"].device.type == "cpu"  # read on the host by packed_batch, no device sync
-        flat, params = packed_batch(batch)
-    assert flat["tokens"].device.type == "meta" and "cu_seqlens" not in flat
+        flat, params = lm.prepare_batch(next(batches.microbatches(fetch, 0, 4, 2, 0, 1)))
+    assert flat["tokens"].device.type == flat["loss_mask"].device.type == "meta" and "cu_seqlens" not in flat
     assert params.cu_seqlens_q.device.type == params.cu_seqlens_kv.device.type == "meta"
     assert params.max_seqlen_q == 5  # documents 0-3, 3-8, 8-11, 11-16
     assert params.cu_seqlens_q.shape == (5,) and params.cu_seqlens_q.dtype == torch.int32

@@ -10,6 +10,10 @@ import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.training import stages
 from megatron_ext.training.checkpointing import read_tracker
+from megatron_ext.data.sft import render_chat
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.training import lm
+from megatron_ext.training.lm import window_loss
 from tests.unit.data_fixtures import preprocessed, small_corpus, trained_tokenizer
 
 SHORT = 64
@@ -86,17 +90,42 @@ def test_an_interrupted_stage_resumes_from_its_own_checkpoints(tmp_path, pretrai
     assert entry.main(flags) == 0 and read_tracker(save) == 4
 
 
-def test_sft_stage_trains_on_chats_from_the_previous_stage(tmp_path, pretrained):
+def _chat(i):
+    return [{"role": "user", "content": f"what is {i} + {i}?"}, {"role": "assistant", "content": f"{i} + {i} = {2 * i}"}]
+
+
+def test_sft_stage_trains_on_chats_from_the_previous_stage(tmp_path, pretrained, monkeypatch):
+    """The stage trains (and validates) on packed rows whose loss mask covers exactly the assistant tokens: each
+    answer and its <|im_end|>, nothing of the user turns, headers or padding."""
     chats = tmp_path / "chat.jsonl"
     with open(chats, "w") as f:
         for i in range(24):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
-                                             {"role": "assistant", "content": f"{i} + {i} = {2 * i}"}]}) + "\n")
+            f.write(json.dumps({"messages": _chat(i)}) + "\n")
+    seen = []
+
+    def recording_step(data_iterator, model):
+        raw = next(data_iterator)
+        seen.append(raw)
+        return lm.forward_step(iter([raw]), model)
+
+    monkeypatch.setattr(entry, "forward_step", recording_step)
     save = str(tmp_path / "sft")
     code = entry.main(["--stage", "sft", "--model", "tiny", "--load", pretrained["save"], "--save", save,
                        "--data-path", str(chats), "--tokenizer-model", pretrained["tok"], "--split", "90,10,0",
-                       "--micro-batch-size", "2", "--train-iters", "3", "--log-interval", "1"])
+                       "--micro-batch-size", "2", "--train-iters", "3", "--log-interval", "1", "--eval-interval",
+                       "3", "--eval-iters", "1"])
     assert code == 0 and read_tracker(save) == 3
+    tok = build_tokenizer("HFTokenizer", pretrained["tok"])
+    header, end = tok.token_id("<|im_assistant|>"), "<|im_end|>"
+    assert len(seen) == 3 + 1 and all("cu_seqlens" in b for b in seen)  # 3 one-micro-batch steps + 1 evaluation
+    for batch in seen:
+        for tokens, labels, mask in zip(batch["tokens"], batch["labels"], batch["loss_mask"]):
+            trained = labels[mask.bool()].tolist()
+            answers = tok.decode(trained).split(end)
+            assert answers[-1] == "" and len(answers) - 1 == int((tokens == header).sum()) > 0
+            numbers = [int(a.split(" + ")[0]) for a in answers[:-1]]
+            assert answers[:-1] == [f"{i} + {i} = {2 * i}" for i in numbers]
+            assert len(trained) == sum(render_chat(tok, _chat(i)).trained_tokens for i in numbers)
 
 
 def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):
@@ -111,10 +140,10 @@ def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):
     windows = ids[: (len(ids) - 1) // (SHORT + 1) * (SHORT + 1)].view(-1, SHORT + 1)[:8]
     batches = [(windows[i:i + 4, :-1], windows[i:i + 4, 1:]) for i in range(0, len(windows), 4)]
     common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
-    before = stages.window_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
-                                 pretrained["save"], batches)
-    after = stages.window_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
-                                pretrained["save"], batches)
+    before = window_loss(common + ["--load", pretrained["save"], "--use-checkpoint-args"],
+                         pretrained["save"], batches)
+    after = window_loss(common + ["--stage", "extend", "--load", pretrained["save"], "--seq-length", "256"],
+                        pretrained["save"], batches)
     untrained = 6.93  # ln(1024): the loss of the untrained model
     with capsys.disabled():
         print(f"\nshort-context loss: trained {before:.4f}, under YaRN x4 {after:.4f}, delta {after - before:+.4f}")
