@@ -353,7 +353,7 @@ def _validate_ranges(args: argparse.Namespace):
 def _validate_load_dir(args: argparse.Namespace):
     """A --load that does not exist is a typo more often than a first run: refuse it unless the intent is clear."""
     if args.load and not os.path.isdir(args.load) and not getattr(args, "load_optional", False) and \
-            not (args.save and os.path.abspath(args.save) == os.path.abspath(args.load)):
+            not getattr(args, "dry_run", False) and not (args.save and os.path.abspath(args.save) == os.path.abspath(args.load)):
         what = "is not a directory" if os.path.exists(args.load) else "does not exist"
         _fail(f"--load {args.load} {what}: check the path, or pass --load-optional to start from scratch when "
               "it is missing (a --load that equals --save may be missing on a job's first run)")

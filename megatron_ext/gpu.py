@@ -157,7 +157,7 @@ def pipeline_layers(num_layers: int, pp: int, first: Optional[int], last: Option
 def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     """The TransformerConfig fields of this group; fusions only where the backend runs them."""
     gpu = not platform.bridge_needed()
-    te = args.transformer_impl == "transformer_engine"
+    te = args.transformer_impl == "transformer_engine" and platform.te_available()
     out = dict(
         bias_activation_fusion=gpu and getattr(args, "bias_swiglu_fusion", True),
         bias_dropout_fusion=gpu and getattr(args, "bias_dropout_fusion", True),
