@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from megatron_ext.models import presets
 from megatron_ext.models.presets import ModelPreset, parameter_counts
 
 GIB = 1024 ** 3
@@ -83,24 +84,19 @@ class ModelShape:
         return self.p.num_layers - self.moe_layers
 
     def attention_params(self) -> int:
-        p, h, n = self.p, self.p.hidden_size, self.p.num_attention_heads
-        qk = p.qk_head_dim + p.qk_pos_emb_head_dim
-        q = h * p.q_lora_rank + p.q_lora_rank + p.q_lora_rank * n * qk if p.q_lora_rank else h * n * qk
-        kv = h * (p.kv_lora_rank + p.qk_pos_emb_head_dim) + p.kv_lora_rank
-        kv += p.kv_lora_rank * n * (p.qk_head_dim + p.v_head_dim)
-        return q + kv + n * p.v_head_dim * h + 2 * h  # + input and pre-MLP norms
+        """MLA with its latent norms, plus the layer's input and pre-MLP norms (presets.py counts the same)."""
+        return presets._attention_params(self.p) + self.p.hidden_size
 
     def routed_params(self) -> int:
         """All routed experts of one MoE layer."""
-        return (self.p.num_experts or 0) * 3 * self.p.hidden_size * self.p.moe_ffn_hidden_size
+        return presets._moe_params(self.p, self.p.num_experts) - self.moe_other_params() if self.p.num_experts else 0
 
     def moe_other_params(self) -> int:
         """Router and shared expert of one MoE layer."""
-        h = self.p.hidden_size
-        return (self.p.num_experts or 0) * h + 3 * h * (self.p.moe_shared_expert_intermediate_size or 0)
+        return presets._moe_params(self.p, 0) if self.p.num_experts else 0
 
     def dense_mlp_params(self) -> int:
-        return 3 * self.p.hidden_size * self.p.ffn_hidden_size
+        return presets._mlp_params(self.p.hidden_size, self.p.ffn_hidden_size)
 
     def embedding_params(self) -> int:
         return self.p.vocab_size * self.p.hidden_size
