@@ -5,7 +5,10 @@
 # else PyPI's default Linux torch wheel, which is built with CUDA), tries to add Transformer Engine within a short
 # timeout (its FP8 and TE-backend checks are skipped if that fails), then runs tests/gpu and the inference,
 # server and HF-conversion suites on the GPU, and prints a summary. Logs: runs/gpu-check/ (LOG_DIR).
-# Environment: VENV, LOG_DIR, TE_TIMEOUT (s, default 240), SKIP_TE_INSTALL=1, BUDGET (s, default 450).
+# Environment: VENV, LOG_DIR, TE_TIMEOUT (s, default 240), SKIP_TE_INSTALL=1, BUDGET (s, default 450),
+# WHEELS=DIR: install offline from a directory of wheels for every requirement of .[dev] except torch (plus
+# setuptools and wheel), made elsewhere with pip download, for a
+# machine without network access (then the system Python must already have a CUDA torch).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$SECONDS
@@ -34,7 +37,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip >"$LOG_DIR/pip.log" 2>&1
+PIP_OFFLINE=()
+if [ -n "${WHEELS:-}" ]; then
+    PIP_OFFLINE=(--no-index --find-links "$WHEELS")
+    note "installing offline from $WHEELS"
+else
+    "$PY" -m pip install -q --upgrade pip >"$LOG_DIR/pip.log" 2>&1
+fi
 if ! cuda_torch "$PY"; then
     note "installing torch from PyPI (its Linux wheel is built with CUDA)"
     "$PY" -m pip install -q "torch>=2.6" >>"$LOG_DIR/pip.log" 2>&1 || { tail -5 "$LOG_DIR/pip.log"; }
@@ -46,7 +55,7 @@ if ! cuda_torch "$PY"; then
     exit 1
 fi
 # torch>=2.6 in setup.py is already met, so pip keeps the CUDA build
-if "$PY" -m pip install -q -e ".[dev]" >>"$LOG_DIR/pip.log" 2>&1; then
+if "$PY" -m pip install -q ${PIP_OFFLINE[@]+"${PIP_OFFLINE[@]}"} -e ".[dev]" >>"$LOG_DIR/pip.log" 2>&1; then
     record "PASS install: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name())')"
 else
     tail -20 "$LOG_DIR/pip.log"
