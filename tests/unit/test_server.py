@@ -16,6 +16,7 @@ from megatron_ext.inference.engine import InferenceEngine, SamplingParams
 from megatron_ext.inference.server import ModelService, serve
 from megatron_ext.inference.reload import CheckpointReload
 from megatron_ext.training.initialize import destroy, initialize_distributed
+from megatron_ext.training.checkpointing import load_weights
 from megatron_ext.training.step import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
