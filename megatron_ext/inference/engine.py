@@ -30,6 +30,12 @@ For RL sampling (ENGINE_API in the design notes): per-row sampling parameters an
 finish leave the decode batch; the n samples of a prompt share one prefill (`generate_groups`); the experts of
 every token can be returned in the layout Megatron-Core's RouterReplay consumes; `update_weights` copies the
 trainer's parameters in place and bumps `weights_version`, which tags every generated token.
+
+Both of Megatron-Core's layer specs are served. Under the Transformer Engine spec the MLA q / kv latent norms and
+a dense layer's pre-MLP norm are identity modules: their weights live in the following linear as
+``layer_norm_weight`` (TE's fused norm + linear), and the engine applies them there (`_fused_norm`). Routed
+experts are SequentialMLP's modules or TE's grouped GEMM (``--moe-grouped-gemm``: one ``weight{i}`` per local
+expert in ``experts.linear_fc1`` / ``linear_fc2``); `_expert_weights` reads either.
 """
 
 from __future__ import annotations
@@ -180,11 +186,59 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+def _fused_norm(linear, x: torch.Tensor) -> torch.Tensor:
+    """`x` through the norm Transformer Engine fuses into `linear` (``layer_norm_weight``, RMSNorm with the
+    linear's eps; checked by `_check_fused_norms`); `x` unchanged when the linear has none (local spec: the norm
+    is a module of its own, applied by `_norm`)."""
+    weight = getattr(linear, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    return F.rms_norm(x, (x.size(-1),), weight, linear.eps)
+
+
+def _check_fused_norms(model: torch.nn.Module):
+    """Refuse fused norms the engine would compute differently from the model: LayerNorm (a bias), TE's
+    zero-centred gamma, or a linear that does not say its eps (TE's LayerNormLinear keeps it as ``eps``)."""
+    for name, module in model.named_modules():
+        if getattr(module, "layer_norm_weight", None) is None:
+            continue
+        normalization = getattr(module, "normalization", "RMSNorm")
+        if (normalization != "RMSNorm" or getattr(module, "layer_norm_bias", None) is not None
+                or getattr(module, "zero_centered_gamma", False)):
+            raise ValueError(f"the inference engine applies fused norms as RMSNorm without zero-centred gamma: "
+                             f"{name} is {normalization} (use --normalization RMSNorm and no "
+                             "--apply-layernorm-1p)")
+        if not isinstance(getattr(module, "eps", None), float):
+            raise ValueError(f"{name} ({type(module).__name__}) fuses a norm but has no float `eps`: the "
+                             "inference engine cannot apply its norm")
+
+
+def _swiglu(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
     """SwiGLU on this rank's columns: fc1 holds [gate | up] of this rank's slice, the result is a partial sum
     over tensor-parallel ranks (exact when the MLP is not sharded)."""
-    gate, up = F.linear(x, mlp.linear_fc1.weight).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, mlp.linear_fc2.weight)
+    gate, up = F.linear(x, fc1).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, fc2)
+
+
+def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """A dense or shared-expert MLP on `x` (its fused pre-MLP norm applied first, under TE's spec)."""
+    return _swiglu(_fused_norm(mlp.linear_fc1, x), mlp.linear_fc1.weight, mlp.linear_fc2.weight)
+
+
+def _expert_weights(experts) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fc1, fc2) weights of each local expert, in local-expert order: SequentialMLP's expert modules, or TE's
+    grouped GEMM (TEGroupedMLP, ``--moe-grouped-gemm``), whose fc1 and fc2 hold ``weight{i}`` for local expert
+    i. The parameters themselves: in-place updates (update_weights, checkpoint loads) show through."""
+    local = getattr(experts, "local_experts", None)
+    if local is not None:
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in local]
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    n = getattr(experts, "num_local_experts", None)
+    if n is not None and all(hasattr(fc, f"weight{i}") for fc in (fc1, fc2) for i in range(n)):
+        return [(getattr(fc1, f"weight{i}"), getattr(fc2, f"weight{i}")) for i in range(n)]
+    raise ValueError(f"the inference engine cannot read the routed experts of {type(experts).__name__}: it "
+                     "supports sequential experts and Transformer Engine's grouped GEMM (--moe-grouped-gemm), "
+                     "not --moe-use-legacy-grouped-gemm")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,9 +293,19 @@ class InferenceEngine:
                 raise ValueError("the inference engine supports MLA layers")
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):
             raise ValueError("the inference engine supports SwiGLU MLPs (gated_linear_unit with silu)")
+        _check_fused_norms(model)
         self.groups = _Groups()
         self.heads = self.layers[0].self_attention.num_attention_heads_per_partition
         self.mtp_layers = list(model.mtp.layers) if getattr(model, "mtp", None) is not None else []
+        self._experts = {}  # id(MoE layer) -> [(fc1, fc2)] of its local experts
+        for layer in self.layers + [m.transformer_layer for m in self.mtp_layers]:
+            mlp = layer.mlp
+            if getattr(mlp, "router", None) is not None:
+                self._experts[id(mlp)] = _expert_weights(mlp.experts)
+            elif not (hasattr(mlp, "linear_fc1") and hasattr(mlp, "linear_fc2")):
+                raise ValueError(f"the inference engine reads a dense MLP's linear_fc1 / linear_fc2; "
+                                 f"{type(mlp).__name__} has none (TE's op fuser, --use-te-op-fuser, is not "
+                                 "supported for generation)")
         r, dn, dv = cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
         # Absorbed attention costs ~(2r + rope) per head, new token and cached token; expanded costs r(dn + dv)
         # per head and cached token for the up-projection plus (dn + rope + dv) per new and cached token. For
@@ -321,13 +385,13 @@ class InferenceEngine:
         s, b, _ = h.shape
         n, dn, dr, r = self.heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is not None:
-            q = F.linear(_norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight)),
-                        attn.linear_q_up_proj.weight)
+            q_latent = _norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight))
+            q = F.linear(_fused_norm(attn.linear_q_up_proj, q_latent), attn.linear_q_up_proj.weight)
         else:
             q = F.linear(h, attn.linear_q_proj.weight)
         q = q.view(s, b, n, dn + dr)
         kv = F.linear(h, attn.linear_kv_down_proj.weight)  # [s, b, r + dr]
-        latent = _norm(attn.kv_layernorm, kv[..., :r])
+        latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv[..., :r]))  # what is cached
         cos, sin = self._rope_for(attn, step, cache_kv.size(1))
         pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), cos, sin)  # [s, b, n + 1, dr]
         new = torch.cat((latent, pe[:, :, n]), dim=-1).transpose(0, 1)  # [b, s, r + dr]
@@ -422,7 +486,7 @@ class InferenceEngine:
         received (no dispatcher, no idle experts); other ranks' experts arrive in the all-reduce."""
         flat = h.reshape(-1, h.size(-1))
         chosen, weights = self._route(mlp.router, flat, routing)
-        experts = mlp.experts.local_experts
+        experts = self._experts[id(mlp)]
         first = mlp.local_expert_indices[0]
         if flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             per_token = []
@@ -430,7 +494,7 @@ class InferenceEngine:
                 x, y_t = flat[t: t + 1], None
                 for e, w in zip(token_experts, token_weights):
                     if first <= e < first + len(experts):
-                        y = _gated_mlp(experts[e - first], x)
+                        y = _swiglu(x, *experts[e - first])
                         y_t = y * w if y_t is None else torch.add(y_t, y, alpha=w)
                 per_token.append(torch.zeros_like(x) if y_t is None else y_t)
             out = per_token[0] if len(per_token) == 1 else torch.cat(per_token)
@@ -442,7 +506,7 @@ class InferenceEngine:
             ys, keep, offset = [], [], 0
             for e, count in enumerate(counts):
                 if count and first <= e < first + len(experts):
-                    ys.append(_gated_mlp(experts[e - first], x[offset: offset + count]) * w[offset: offset + count])
+                    ys.append(_swiglu(x[offset: offset + count], *experts[e - first]) * w[offset: offset + count])
                     keep.append(rows[offset: offset + count])
                 offset += count
             out = torch.zeros_like(flat)
