@@ -1,0 +1,236 @@
+"""One agentic coding episode: a task, an agent, a sandbox, tools, grading in a fresh sandbox, reward parts.
+
+    task.repo --copy (no .git)--> agent sandbox /workspace
+    loop (at most task.max_turns): agent.act(messages, TOOL_SCHEMAS) -> assistant message
+         each tool call -> Toolbox -> observation (a tool message); finish(...) or a turn without calls ends it
+    grading: files the task forbids that changed are restored from the original repository (and counted) ->
+             a fresh sandbox gets the restored workspace plus the hidden tests -> test_command -> exit code, output
+    reward: rewards.score(EpisodeFacts, weights) -> parts and total
+
+The episode speaks messages (OpenAI chat shape: what tools/serve.py and the Kimi-K2 chat template exchange); an
+agent is anything with ``act(messages, tools) -> assistant message``, so scripted agents, a remote
+OpenAI-compatible server and a local checkpoint take the same path. Nothing the agent sends raises: malformed
+calls become error observations and a failing agent ends the episode with status ``agent_error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, score
+from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
+from megatron_ext.env.tasks import Task
+from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
+
+SYSTEM_PROMPT = (
+    "You are a coding agent. The repository is at /workspace (your working directory); there is no network. "
+    "Use the tools to read, search, edit and run code. Keep a todo list for multi-step work. When you are done, "
+    "call finish with a short message saying what you changed and how you checked it.")
+
+
+class Agent(Protocol):
+    def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        """The next assistant message: {"content", optional "reasoning_content", optional "tool_calls"}."""
+
+
+def approx_tokens(text: str) -> int:
+    """Token count estimate (4 bytes a token) when no tokenizer is given."""
+    return math.ceil(len(text.encode()) / 4)
+
+
+@dataclass
+class EpisodeConfig:
+    sandbox: BubblewrapConfig = field(default_factory=BubblewrapConfig)
+    tools: ToolLimits = field(default_factory=ToolLimits)
+    weights: Optional[dict] = None                       # a rewards config (WeightFile.current()); None: defaults
+    count_tokens: Callable[[str], int] = approx_tokens
+    grading_output_bytes: int = 16 << 20
+
+
+@dataclass
+class EpisodeResult:
+    task_id: str
+    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error"
+    messages: list
+    calls: list
+    grading: dict
+    reward: dict
+    counts: dict
+    wall_s: float
+    error: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"task": self.task_id, "status": self.status, "error": self.error, "wall_s": round(self.wall_s, 3),
+                "transcript": self.messages, "tool_calls": [c.to_json() for c in self.calls],
+                "grading": self.grading, "counts": self.counts, "reward": self.reward}
+
+
+def _normalise(message, call_index: int) -> dict:
+    """An agent's reply as a transcript message; tool-call ids default to Kimi's functions.NAME:INDEX."""
+    if not isinstance(message, dict):
+        raise TypeError(f"the agent returned {type(message).__name__}, not a message object")
+    out = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = str(message["reasoning_content"])
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        name = fn.get("name") if isinstance(fn.get("name"), str) else ""
+        arguments = fn.get("arguments", "")
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        calls.append({"id": call.get("id") or f"functions.{name}:{call_index + len(calls)}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def snapshot(folder: str) -> dict[str, tuple]:
+    """relative path -> ("file", bytes) | ("link", target) of everything under folder except .git."""
+    out = {}
+    for base, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != ".git" or base != folder]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                out[rel] = ("link", os.readlink(path))
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    out[rel] = ("file", f.read())
+    return out
+
+
+def _text(entry) -> Optional[str]:
+    if entry is None:
+        return ""
+    if entry[0] != "file" or b"\0" in entry[1][:8192]:
+        return None
+    try:
+        return entry[1].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _restore(workspace: str, rel: str, entry):
+    path = os.path.join(workspace, rel)
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+    if entry is None:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if entry[0] == "link":
+        os.symlink(entry[1], path)
+    else:
+        with open(path, "wb") as f:
+            f.write(entry[1])
+
+
+class Episode:
+    def __init__(self, task: Task, agent: Agent, config: Optional[EpisodeConfig] = None):
+        self.task, self.agent, self.config = task, agent, config or EpisodeConfig()
+
+    def run(self) -> EpisodeResult:
+        start = time.monotonic()
+        pristine_dir = None
+        box = BubblewrapSandbox(self.task.repo, self.config.sandbox)
+        try:
+            if os.path.isdir(self.task.repo):
+                pristine = snapshot(self.task.repo)
+            else:
+                pristine_dir = tempfile.mkdtemp(prefix="megatron-env-pristine-")
+                copy_source(self.task.repo, pristine_dir)
+                pristine = snapshot(pristine_dir)
+            toolbox = Toolbox(box, dataclasses.replace(self.config.tools,
+                                                       command_timeout_s=self.task.command_timeout_s))
+            messages, status, error = self._loop(toolbox)
+            final_message = toolbox.finished
+            if final_message is None and status == "no_tool_calls":
+                final_message = messages[-1]["content"]  # a plain reply ends the episode and is its message
+            grading, facts = self._grade(box, pristine, toolbox, messages, final_message)
+        finally:
+            box.close()
+            if pristine_dir:
+                shutil.rmtree(pristine_dir, ignore_errors=True)
+        result = score(facts, self.config.weights or DEFAULT_WEIGHTS)
+        return EpisodeResult(self.task.id, status, messages, toolbox.calls, grading, result.to_json(), facts.counts,
+                             time.monotonic() - start, error)
+
+    def _loop(self, toolbox: Toolbox):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": self.task.instruction}]
+        status, error, calls = "max_turns", None, 0
+        for _ in range(self.task.max_turns):
+            try:
+                reply = _normalise(self.agent.act([dict(m) for m in messages], TOOL_SCHEMAS), calls)
+            except Exception as e:  # a broken agent or server ends this episode, not the run
+                status, error = "agent_error", f"{type(e).__name__}: {e}"
+                break
+            messages.append(reply)
+            if not reply.get("tool_calls"):
+                status = "no_tool_calls"
+                break
+            for call in reply["tool_calls"]:
+                calls += 1
+                record = toolbox.call(call["function"]["name"], call["function"]["arguments"], call["id"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": record.observation})
+                if toolbox.finished is not None:
+                    break
+            if toolbox.finished is not None:
+                status = "finished"
+                break
+        return messages, status, error
+
+    def _grade(self, box: BubblewrapSandbox, pristine: dict, toolbox: Toolbox, messages: list,
+               final_message: Optional[str]):
+        final = snapshot(box.workspace)
+        changed = sorted(p for p in set(pristine) | set(final) if pristine.get(p) != final.get(p))
+        forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) for g in self.task.forbidden)]
+        for rel in forbidden:
+            _restore(box.workspace, rel, pristine.get(rel))
+        changes = {}
+        for rel in changed:
+            if rel not in forbidden:
+                old, new = _text(pristine.get(rel)), _text(final.get(rel))
+                if old is not None and new is not None:
+                    changes[rel] = (old, new)
+        sandbox = self.config.sandbox
+        grading_config = dataclasses.replace(sandbox, limits=dataclasses.replace(
+            sandbox.limits, output_bytes=self.config.grading_output_bytes))
+        with BubblewrapSandbox(box.workspace, grading_config) as grader:
+            if self.task.hidden_tests:
+                shutil.copytree(self.task.hidden_tests, grader.workspace, dirs_exist_ok=True, symlinks=True)
+            r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
+        grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
+                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden}
+        count = self.config.count_tokens
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        counts = {
+            "thinking_tokens": sum(count(m.get("reasoning_content", "")) for m in assistant),
+            "tool_call_tokens": sum(count(c["function"]["name"] + c["function"]["arguments"])
+                                    for m in assistant for c in m.get("tool_calls", [])),
+            "tool_output_tokens": sum(count(m["content"]) for m in messages if m["role"] == "tool"),
+            "message_tokens": sum(count(m["content"]) for m in assistant),
+            "tool_calls": len(toolbox.calls),
+            "turns": len(assistant),
+        }
+        facts = EpisodeFacts(test_exit_code=r.exit_code, test_output=r.output, changes=changes,
+                             final_message=final_message, calls=[(c.name, c.arguments) for c in toolbox.calls],
+                             invalid_calls=toolbox.invalid_calls, unfinished_todos=toolbox.unfinished_todos,
+                             forbidden_edits=forbidden, counts=counts)
+        return grading, facts
+
+
+def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
+    return Episode(task, agent, config).run()
