@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -53,7 +54,7 @@ PARTS = tuple(DEFAULT_WEIGHTS["weights"])
 _PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|error|errors|xpassed|xfailed)\b")
 
 
-def tests_fraction(exit_code: Optional[int], output: str) -> float:
+def passed_fraction(exit_code: Optional[int], output: str) -> float:
     """passed / (passed + failed + errors) from the last pytest summary line; else 1.0 on exit 0, 0.0 otherwise."""
     summary = [line for line in output.splitlines() if _PYTEST_COUNTS.search(line) and " in " in line]
     if summary:
@@ -91,22 +92,24 @@ def ruff_diagnostics(source: str, filename: str = "file.py") -> list[dict]:
 
 
 def style_violations(changes: dict[str, tuple[str, str]]) -> int:
-    """Diagnostics on changed lines of changed .py files that the original did not already have (by code).
+    """Diagnostics on changed lines of changed .py files that the original did not have.
 
+    A diagnostic is keyed by its code and the text of its line, so one that only moved is not counted.
     changes: path -> (old text, new text); a new file has old text ''."""
     total = 0
     for path, (old, new) in sorted(changes.items()):
         if not path.endswith(".py"):
             continue
         lines = changed_lines(old, new)
-        before = {}
-        for d in ruff_diagnostics(old, path) if old else []:
-            before[d["code"]] = before.get(d["code"], 0) + 1
-        after = {}
-        for d in ruff_diagnostics(new, path):
-            if d["row"] in lines:
-                after[d["code"]] = after.get(d["code"], 0) + 1
-        total += sum(max(0, n - before.get(code, 0)) for code, n in after.items())
+        old_lines, new_lines = old.splitlines(), new.splitlines()
+
+        def key(d, text_lines):
+            row = d["row"]
+            return d["code"], text_lines[row - 1].strip() if 0 < row <= len(text_lines) else ""
+
+        before = Counter(key(d, old_lines) for d in ruff_diagnostics(old, path)) if old else Counter()
+        after = Counter(key(d, new_lines) for d in ruff_diagnostics(new, path) if d["row"] in lines)
+        total += sum((after - before).values())
     return total
 
 
@@ -197,7 +200,7 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
     correct = float(facts.test_exit_code == 0)
     parts = {
         "correctness": correct,
-        "tests_fraction": tests_fraction(facts.test_exit_code, facts.test_output),
+        "tests_fraction": passed_fraction(facts.test_exit_code, facts.test_output),
         "style": float(style_violations(facts.changes)),
         "communication": communication(facts.final_message, sorted(facts.changes),
                                        config["communication"]["concise_words"]),
