@@ -137,63 +137,93 @@ def _restore(workspace: str, rel: str, entry):
             f.write(entry[1])
 
 
-class Episode:
-    def __init__(self, task: Task, agent: Agent, config: Optional[EpisodeConfig] = None):
-        self.task, self.agent, self.config = task, agent, config or EpisodeConfig()
+class Session:
+    """One episode driven step by step: `messages` so far, `apply(reply)` runs a reply's tool calls, `finish()`
+    grades and scores (and frees the sandbox). The agent loop (`run_episode`) and the token-level wrapper for RL
+    (`megatron_ext/env/token_env.py`) both drive a Session, so they share every rule."""
 
-    def run(self) -> EpisodeResult:
-        start = time.monotonic()
-        pristine_dir = None
-        box = BubblewrapSandbox(self.task.repo, self.config.sandbox)
+    def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
+        self.task, self.config = task, config or EpisodeConfig()
+        self.start = time.monotonic()
+        self.status: Optional[str] = None  # set when the episode has ended
+        self.error: Optional[str] = None
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": task.instruction}]
+        self.result: Optional[EpisodeResult] = None
+        self.box = BubblewrapSandbox(task.repo, self.config.sandbox)
         try:
-            if os.path.isdir(self.task.repo):
-                pristine = snapshot(self.task.repo)
+            if os.path.isdir(task.repo):
+                self.pristine = snapshot(task.repo)
             else:
-                pristine_dir = tempfile.mkdtemp(prefix="megatron-env-pristine-")
-                copy_source(self.task.repo, pristine_dir)
-                pristine = snapshot(pristine_dir)
-            toolbox = Toolbox(box, dataclasses.replace(self.config.tools,
-                                                       command_timeout_s=self.task.command_timeout_s))
-            messages, status, error = self._loop(toolbox)
-            final_message = toolbox.finished
-            if final_message is None and status == "no_tool_calls":
-                final_message = messages[-1]["content"]  # a plain reply ends the episode and is its message
-            grading, facts = self._grade(box, pristine, toolbox, messages, final_message)
+                with tempfile.TemporaryDirectory(prefix="megatron-env-pristine-") as folder:
+                    copy_source(task.repo, folder)
+                    self.pristine = snapshot(folder)
+        except BaseException:
+            self.box.close()
+            raise
+        self.toolbox = Toolbox(self.box, dataclasses.replace(self.config.tools,
+                                                             command_timeout_s=task.command_timeout_s))
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
+
+    @property
+    def turns(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
+
+    def apply(self, reply) -> list[dict]:
+        """Append the agent's reply, run its tool calls in order (up to finish), return the tool messages."""
+        if self.done:
+            raise RuntimeError(f"episode {self.task.id} has ended ({self.status})")
+        try:
+            reply = _normalise(reply, len(self.toolbox.calls))
+        except (TypeError, AttributeError) as e:
+            self.fail(e)
+            return []
+        self.messages.append(reply)
+        if not reply.get("tool_calls"):
+            self.status = "no_tool_calls"
+            return []
+        out = []
+        for call in reply["tool_calls"]:
+            record = self.toolbox.call(call["function"]["name"], call["function"]["arguments"], call["id"])
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": record.observation})
+            if self.toolbox.finished is not None:
+                self.status = "finished"
+                break
+        self.messages += out
+        if not self.done and self.turns >= self.task.max_turns:
+            self.status = "max_turns"
+        return out
+
+    def fail(self, error: BaseException):
+        """The agent could not produce a reply: the episode ends (and is still graded)."""
+        self.status, self.error = "agent_error", f"{type(error).__name__}: {error}"
+
+    def finish(self) -> EpisodeResult:
+        """Grade in a fresh sandbox, score, remove the sandbox; idempotent."""
+        if self.result is not None:
+            return self.result
+        if self.status is None:
+            self.status = "abandoned"
+        try:
+            final_message = self.toolbox.finished
+            if final_message is None and self.status == "no_tool_calls":
+                final_message = self.messages[-1]["content"]  # a plain reply ends the episode and is its message
+            grading, facts = self._grade(final_message)
         finally:
-            box.close()
-            if pristine_dir:
-                shutil.rmtree(pristine_dir, ignore_errors=True)
+            self.close()
         result = score(facts, self.config.weights or DEFAULT_WEIGHTS)
-        return EpisodeResult(self.task.id, status, messages, toolbox.calls, grading, result.to_json(), facts.counts,
-                             time.monotonic() - start, error)
+        self.result = EpisodeResult(self.task.id, self.status, self.messages, self.toolbox.calls, grading,
+                                    result.to_json(), facts.counts, time.monotonic() - self.start, self.error)
+        return self.result
 
-    def _loop(self, toolbox: Toolbox):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": self.task.instruction}]
-        status, error, calls = "max_turns", None, 0
-        for _ in range(self.task.max_turns):
-            try:
-                reply = _normalise(self.agent.act([dict(m) for m in messages], TOOL_SCHEMAS), calls)
-            except Exception as e:  # a broken agent or server ends this episode, not the run
-                status, error = "agent_error", f"{type(e).__name__}: {e}"
-                break
-            messages.append(reply)
-            if not reply.get("tool_calls"):
-                status = "no_tool_calls"
-                break
-            for call in reply["tool_calls"]:
-                calls += 1
-                record = toolbox.call(call["function"]["name"], call["function"]["arguments"], call["id"])
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": record.observation})
-                if toolbox.finished is not None:
-                    break
-            if toolbox.finished is not None:
-                status = "finished"
-                break
-        return messages, status, error
+    def close(self):
+        self.box.close()
 
-    def _grade(self, box: BubblewrapSandbox, pristine: dict, toolbox: Toolbox, messages: list,
-               final_message: Optional[str]):
+    def _grade(self, final_message: Optional[str]):
+        box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.messages
         final = snapshot(box.workspace)
         changed = sorted(p for p in set(pristine) | set(final) if pristine.get(p) != final.get(p))
         forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) for g in self.task.forbidden)]
@@ -233,4 +263,16 @@ class Episode:
 
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
-    return Episode(task, agent, config).run()
+    """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
+    session = Session(task, config)
+    try:
+        while not session.done:
+            try:
+                reply = agent.act([dict(m) for m in session.messages], TOOL_SCHEMAS)
+            except Exception as e:  # a broken agent or server ends this episode, not the run
+                session.fail(e)
+                break
+            session.apply(reply)
+        return session.finish()
+    finally:
+        session.close()
