@@ -203,7 +203,10 @@ class Miner:
             found, skipped = candidates(ref, [f for f in files if not is_test_file(f)], self.config.min_body_lines)
             mentioned = []
             for c in found:
-                if c.qualname.split(".")[-1] in test_text and not c.qualname.split(".")[-1].startswith("__"):
+                short = c.qualname.split(".")[-1]
+                if short.startswith("__") and short.endswith("__"):
+                    skipped.append((c.id, "special method"))
+                elif short in test_text:
                     mentioned.append(c)
                 else:
                     skipped.append((c.id, "no test file mentions its name"))
