@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--reward-weights", default=None, help="JSON weights file (megatron_ext/env/rewards.py)")
     p.add_argument("--memory-gb", type=float, default=4.0, help="address-space limit of sandboxed processes")
     p.add_argument("--max-processes", type=int, default=256, help="process limit of a sandbox")
+    p.add_argument("--env-summarize-at", type=int, default=None,
+                   help="context tokens past which the agent is asked to summarise and continues from the summary")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
     limits = Limits(memory_bytes=int(args.memory_gb * (1 << 30)), processes=args.max_processes,
                     wall_s=task.command_timeout_s)
     try:
-        result = run_episode(task, agent, EpisodeConfig(sandbox=BubblewrapConfig(limits=limits), weights=weights))
+        result = run_episode(task, agent, EpisodeConfig(sandbox=BubblewrapConfig(limits=limits), weights=weights,
+                                                         summarize_at=args.env_summarize_at))
     except SandboxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
+from megatron_ext.env.episode import SUMMARY_REQUEST
+
 SCRIPT_FINISH = "Scripted agent: all actions played."
 
 
@@ -48,6 +50,9 @@ class ScriptAgent:
         self.actions, self.finish_message, self.next = list(actions), finish_message, 0
 
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        if messages[-1]["role"] == "user" and messages[-1]["content"] == SUMMARY_REQUEST:
+            played = ", ".join(a["name"] for a in self.actions[: self.next]) or "nothing"
+            return {"content": f"Scripted agent: played {played}; {len(self.actions) - self.next} actions left."}
         if self.next < len(self.actions):
             action = self.actions[self.next]
             self.next += 1

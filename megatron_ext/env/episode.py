@@ -35,6 +35,10 @@ SYSTEM_PROMPT = (
     "You are a coding agent. The repository is at /workspace (your working directory); there is no network. "
     "Use the tools to read, search, edit and run code. Keep a todo list for multi-step work. When you are done, "
     "call finish with a short message saying what you changed and how you checked it.")
+SUMMARY_REQUEST = (
+    "Your context is getting long. Summarise your progress for yourself: what you found, what you changed and "
+    "where, what is left and what to do next. Reply with the summary only, without tool calls; the conversation "
+    "will continue from it.")
 
 
 class Agent(Protocol):
@@ -53,24 +57,28 @@ class EpisodeConfig:
     tools: ToolLimits = field(default_factory=ToolLimits)
     weights: Optional[dict] = None                       # a rewards config (WeightFile.current()); None: defaults
     count_tokens: Callable[[str], int] = approx_tokens
+    summarize_at: Optional[int] = None                   # context tokens past which the agent summarises
+    summary_chars: int = 8000                            # longest summary carried into the next segment
     grading_output_bytes: int = 16 << 20
 
 
 @dataclass
 class EpisodeResult:
     task_id: str
-    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error"
-    messages: list
+    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error" | "abandoned"
+    messages: list                   # the last segment's transcript
     calls: list
     grading: dict
     reward: dict
     counts: dict
     wall_s: float
     error: Optional[str] = None
+    segments: list = field(default_factory=list)  # earlier transcripts, each ended by a summary (self-summarising)
 
     def to_json(self) -> dict:
         return {"task": self.task_id, "status": self.status, "error": self.error, "wall_s": round(self.wall_s, 3),
-                "transcript": self.messages, "tool_calls": [c.to_json() for c in self.calls],
+                "transcript": self.messages, "summarized_segments": self.segments,
+                "tool_calls": [c.to_json() for c in self.calls],
                 "grading": self.grading, "counts": self.counts, "reward": self.reward}
 
 
@@ -110,6 +118,11 @@ def snapshot(folder: str) -> dict[str, tuple]:
     return out
 
 
+def changed_paths(before: dict, after: dict) -> list[str]:
+    """Paths added, removed or changed between two snapshots."""
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
 def _text(entry) -> Optional[str]:
     if entry is None:
         return ""
@@ -140,7 +153,12 @@ def _restore(workspace: str, rel: str, entry):
 class Session:
     """One episode driven step by step: `messages` so far, `apply(reply)` runs a reply's tool calls, `finish()`
     grades and scores (and frees the sandbox). The agent loop (`run_episode`) and the token-level wrapper for RL
-    (`megatron_ext/env/token_env.py`) both drive a Session, so they share every rule."""
+    (`megatron_ext/env/token_env.py`) both drive a Session, so they share every rule.
+
+    Self-summarisation (``config.summarize_at``): once the context passes that many tokens, the next message the
+    agent gets is SUMMARY_REQUEST; its reply is the summary, which closes the segment: the conversation restarts
+    from the system prompt and the instruction plus the summary, the todo list and the files changed so far
+    (``restarted`` is set). Every segment is a generation of the same episode and shares its final reward."""
 
     def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
         self.task, self.config = task, config or EpisodeConfig()
@@ -150,6 +168,11 @@ class Session:
         self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
                          {"role": "user", "content": task.instruction}]
         self.result: Optional[EpisodeResult] = None
+        self.segments: list[list[dict]] = []
+        self.turn_count = 0
+        self.summarizing = False   # the last message asks for a summary
+        self.restarted = False     # the last apply() closed a segment: messages is a new conversation
+        self.segment_start_tokens = 0
         self.box = BubblewrapSandbox(task.repo, self.config.sandbox)
         try:
             if os.path.isdir(task.repo):
@@ -168,9 +191,14 @@ class Session:
     def done(self) -> bool:
         return self.status is not None
 
-    @property
-    def turns(self) -> int:
-        return sum(m["role"] == "assistant" for m in self.messages)
+    def all_messages(self) -> list[dict]:
+        return [m for segment in self.segments for m in segment] + self.messages
+
+    def context_tokens(self) -> int:
+        count = self.config.count_tokens
+        return sum(count(m.get("content") or "") + count(m.get("reasoning_content") or "") +
+                   sum(count(c["function"]["name"] + c["function"]["arguments"]) for c in m.get("tool_calls", []))
+                   for m in self.messages)
 
     def apply(self, reply) -> list[dict]:
         """Append the agent's reply, run its tool calls in order (up to finish), return the tool messages."""
@@ -181,7 +209,12 @@ class Session:
         except (TypeError, AttributeError) as e:
             self.fail(e)
             return []
+        self.turn_count += 1
+        self.restarted = False
         self.messages.append(reply)
+        if self.summarizing:
+            self._restart(reply["content"])
+            return []
         if not reply.get("tool_calls"):
             self.status = "no_tool_calls"
             return []
@@ -193,9 +226,32 @@ class Session:
                 self.status = "finished"
                 break
         self.messages += out
-        if not self.done and self.turns >= self.task.max_turns:
+        if not self.done and self.turn_count >= self.task.max_turns:
             self.status = "max_turns"
+        summarize_at = self.config.summarize_at
+        context = self.context_tokens() if summarize_at else 0
+        # a new segment summarises again only after it has grown by half the budget (no summary loops)
+        if not self.done and summarize_at and context > summarize_at and \
+                context - self.segment_start_tokens > summarize_at // 2:
+            self.summarizing = True
+            request = {"role": "user", "content": SUMMARY_REQUEST}
+            self.messages.append(request)
+            out.append(request)
         return out
+
+    def _restart(self, summary: str):
+        """Close the segment with the agent's summary; the next conversation starts from it and the task state."""
+        self.segments.append(self.messages)
+        self.summarizing, self.restarted = False, True
+        changed = changed_paths(self.pristine, snapshot(self.box.workspace))
+        todos = "\n".join(f"{t.id}. [{'x' if t.done else ' '}] {t.item}" for t in self.toolbox.todos) or "(empty)"
+        state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
+                 f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
+                 f"## Todo list\n{todos}\n\n## Files changed so far\n{chr(10).join(changed) or '(none)'}")
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": state}]
+        self.segment_start_tokens = self.context_tokens()
+        if self.turn_count >= self.task.max_turns:
+            self.status = "max_turns"
 
     def fail(self, error: BaseException):
         """The agent could not produce a reply: the episode ends (and is still graded)."""
@@ -216,16 +272,17 @@ class Session:
             self.close()
         result = score(facts, self.config.weights or DEFAULT_WEIGHTS)
         self.result = EpisodeResult(self.task.id, self.status, self.messages, self.toolbox.calls, grading,
-                                    result.to_json(), facts.counts, time.monotonic() - self.start, self.error)
+                                    result.to_json(), facts.counts, time.monotonic() - self.start, self.error,
+                                    self.segments)
         return self.result
 
     def close(self):
         self.box.close()
 
     def _grade(self, final_message: Optional[str]):
-        box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.messages
+        box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
         final = snapshot(box.workspace)
-        changed = sorted(p for p in set(pristine) | set(final) if pristine.get(p) != final.get(p))
+        changed = changed_paths(pristine, final)
         forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) for g in self.task.forbidden)]
         for rel in forbidden:
             _restore(box.workspace, rel, pristine.get(rel))

@@ -5,8 +5,10 @@ chat template, ending in an open assistant turn); ``step(model ids) -> StepResul
 model's turn is parsed back into a message (`parse_assistant`), its tool calls run in the episode's sandbox, and
 the observation is exactly the tokens to append before the next model turn (the tool messages and the next
 assistant header, preceded by ``<|im_end|>`` when the model's turn was cut before closing itself); ``score()``
-grades and returns the reward parts and total. The whole episode is one token sequence: model tokens are never
-re-tokenised, environment tokens are rendered once.
+grades and returns the reward parts and total. An episode is one token sequence (model tokens are never
+re-tokenised, environment tokens are rendered once), or, with self-summarisation, a chain of sequences: a step
+with ``restart`` closes the current sequence after the model's summary and gives the prompt of the next; every
+sequence of the chain shares the episode's final reward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_ext.env.tools import TOOL_SCHEMAS
 class StepResult:
     observation: list[int]  # tokens to append before the next model turn (empty when done)
     done: bool
+    restart: bool = False   # self-summarisation closed the sequence: observation is the prompt of a new one
 
 
 class CodingEnv:
@@ -43,6 +46,9 @@ class CodingEnv:
         if not isinstance(task, Task):
             task = task_from_dict(task, self.task_dir, f"task {task.get('id', '?') if isinstance(task, dict) else ''}")
         self.session, self.result = Session(task, self.config), None
+        return self._prompt()
+
+    def _prompt(self) -> list[int]:
         return render_chat(self.tokenizer, self.session.messages, tools=TOOL_SCHEMAS, add_generation_prompt=True).ids
 
     def step(self, model_tokens: list[int]) -> StepResult:
@@ -52,6 +58,8 @@ class CodingEnv:
         tool_messages = self.session.apply(parse_assistant(self.tokenizer, model_tokens))
         if self.session.done:
             return StepResult([], True)
+        if self.session.restarted:
+            return StepResult(self._prompt(), False, restart=True)
         close = [] if model_tokens and model_tokens[-1] == self.im_end else [self.im_end]
         return StepResult(close + render_chat(self.tokenizer, tool_messages, add_generation_prompt=True).ids, False)
 

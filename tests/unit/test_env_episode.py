@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron_ext.env.agents import ScriptAgent
-from megatron_ext.env.episode import EpisodeConfig, run_episode
+from megatron_ext.env.episode import SUMMARY_REQUEST, EpisodeConfig, run_episode
 from megatron_ext.env.sandbox import BubblewrapConfig
 from megatron_ext.env.tasks import TaskError, load_task
 from tests.unit.env_fixtures import CHEAT_CONFTEST, ORACLE, REFERENCE_BODY, STUB, make_task
@@ -170,3 +170,20 @@ def test_endpoint_agent_against_our_server(tmp_path):
         httpd.shutdown()
     finally:
         destroy()
+
+
+def test_self_summarisation_restarts_from_the_summary_and_task_state(tmp_path):
+    task = load_task(make_task(str(tmp_path)))
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")), summarize_at=150)
+    r = run_episode(task, ScriptAgent(ORACLE), config)
+    assert r.status == "finished" and r.reward["correctness"] == 1.0 and len(r.segments) >= 1
+    first = r.segments[0]
+    assert first[-2] == {"role": "user", "content": SUMMARY_REQUEST}
+    assert first[-1]["content"].startswith("Scripted agent: played todo, read_file")
+    restart = (r.segments[1] if len(r.segments) > 1 else r.messages)[1]["content"]
+    assert restart.startswith(task.instruction) and "## Summary of your work so far\nScripted agent: played" in restart
+    assert "1. [ ] implement calc.add" in restart
+    # every action was played once across the segments; the summaries are turns without tool calls
+    calls = [c["function"]["name"] for seg in r.segments + [r.messages] for m in seg for c in m.get("tool_calls", [])]
+    assert calls == [a["name"] for a in ORACLE]
+    assert r.counts["turns"] == len(ORACLE) + len(r.segments)

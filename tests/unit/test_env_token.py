@@ -65,3 +65,36 @@ def test_cut_turn_is_closed_and_garbage_is_an_invalid_turn(tmp_path):
     score = env.score()
     assert score.parts["correctness"] == 0.0 and env.result.status == "no_tool_calls"
     assert env.result.messages[-1]["content"] == "I give up."
+
+
+def test_self_summarisation_chains_sequences(tmp_path):
+    from megatron_ext.env.episode import SUMMARY_REQUEST
+    tokenizer = build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
+    path = make_task(str(tmp_path / "t"))
+    env = CodingEnv(tokenizer, EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")),
+                                             summarize_at=150), task_dir=os.path.dirname(path))
+    sequences = [env.reset(json.load(open(path)))]
+    actions, i, restarts = list(ORACLE), 0, 0
+    while True:
+        messages = env.session.messages
+        if messages[-1]["content"] == SUMMARY_REQUEST:  # the model writes its summary as a plain turn
+            generated = tokenizer.encode("I read calc and added a todo.") + [tokenizer.token_id("<|im_end|>")]
+        else:
+            generated = _turn(tokenizer, messages, actions[i], i)
+            i += 1
+        step = env.step(generated)
+        sequences[-1] += generated
+        if step.done:
+            break
+        if step.restart:
+            restarts += 1
+            assert env.session.segments[-1][-1]["content"] == "I read calc and added a todo."
+            sequences.append(step.observation)
+            assert "## Summary of your work so far\nI read calc and added a todo." in tokenizer.decode(step.observation)
+        else:
+            sequences[-1] += step.observation
+    assert restarts == 1 and len(sequences) == 2
+    # each sequence of the chain is exactly its rendered segment
+    assert sequences[0] == render_chat(tokenizer, env.session.segments[0], tools=TOOL_SCHEMAS).ids
+    assert sequences[1] == render_chat(tokenizer, env.session.messages[:-1], tools=TOOL_SCHEMAS).ids
+    assert env.score().parts["correctness"] == 1.0
