@@ -335,12 +335,14 @@ class BubblewrapSandbox:
         if self.cgroup:
             with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
-        rlimits = [(resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_bytes),
-                   (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)]
+        # CPU: SIGXCPU at the soft limit, SIGKILL a second later
+        rlimits = [(resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
+                   (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+                   (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes), (resource.RLIMIT_CORE, 0, 0)]
         if not self.cgroup:  # RLIMIT_NPROC counts all processes of the host user: only a fallback
-            rlimits.append((resource.RLIMIT_NPROC, limits.processes))
-        for which, value in rlimits:
-            resource.setrlimit(which, (value, value))
+            rlimits.append((resource.RLIMIT_NPROC, limits.processes, limits.processes))
+        for which, soft, hard in rlimits:
+            resource.setrlimit(which, (soft, hard))
 
     # ---- the contract -----------------------------------------------------------------------------------
     def exec(self, command: str, timeout_s: Optional[float] = None, stdin: Optional[bytes] = None) -> ExecResult:

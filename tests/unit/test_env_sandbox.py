@@ -69,15 +69,15 @@ def test_fork_bomb_is_bounded(box):
 def test_infinite_loop_hits_the_wall_clock(box):
     r = box.exec("while :; do :; done", timeout_s=1.0)
     assert r.killed == "timeout" and r.exit_code is None
-    assert 1.0 <= r.wall_s < 4.0
+    assert 1.0 <= r.wall_s < 10.0
     assert "wall-clock limit" in r.describe()
 
 
 def test_cpu_limit(tmp_path, repo):
-    limits = Limits(cpu_s=1, wall_s=10.0, memory_bytes=1 << 30, processes=64)
+    limits = Limits(cpu_s=1, wall_s=60.0, memory_bytes=1 << 30, processes=64)
     with BubblewrapSandbox(str(repo), BubblewrapConfig(limits=limits, base_dir=str(tmp_path / "b"))) as box:
         r = box.exec("while :; do :; done")
-    assert r.killed is None and r.wall_s < 8.0
+    assert r.killed is None  # the CPU limit ended it, not the wall clock (a loaded machine may take a while)
     assert r.exit_code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL), r.describe()
     assert "SIGXCPU" in r.describe() or "SIGKILL" in r.describe()
 
@@ -87,7 +87,7 @@ def test_a_gigabyte_of_output_is_cut_and_killed(box):
     r = box.exec("head -c 1000000000 /dev/zero | tr '\\0' x")
     assert r.killed == "output" and len(r.output) == FAST.output_bytes
     assert set(r.output) == {"x"}
-    assert time.monotonic() - t < 4.0
+    assert time.monotonic() - t < 30.0  # cut at 64 KiB, not after a gigabyte
     assert "output exceeded" in r.describe()
 
 
@@ -143,11 +143,11 @@ def test_killing_the_parent_and_host_processes_fails(box):
 
 
 def test_background_processes_do_not_outlive_the_command(box):
-    r = box.exec("(sleep 1; echo alive > /workspace/bg1) & "
-                 "setsid sh -c 'sleep 1; echo alive > /workspace/bg2' & "
-                 "nohup sh -c 'sleep 1; echo alive > /workspace/bg3' >/dev/null 2>&1 & echo started")
-    assert r.ok and "started" in r.output and r.wall_s < 1.0
-    time.sleep(1.5)
+    r = box.exec("(sleep 2; echo alive > /workspace/bg1) & "
+                 "setsid sh -c 'sleep 2; echo alive > /workspace/bg2' & "
+                 "nohup sh -c 'sleep 2; echo alive > /workspace/bg3' >/dev/null 2>&1 & echo started")
+    assert r.ok and "started" in r.output and r.wall_s < 2.0  # the command did not wait for its children
+    time.sleep(2.5)
     assert not any(os.path.exists(os.path.join(box.workspace, f"bg{i}")) for i in (1, 2, 3))
     if box.cgroup:
         assert _cgroup_pids(box.cgroup) == []
