@@ -14,7 +14,7 @@ from megatron_ext.env.agents import ScriptAgent
 from megatron_ext.env.episode import SUMMARY_REQUEST, EpisodeConfig, run_episode
 from megatron_ext.env.sandbox import BubblewrapConfig
 from megatron_ext.env.tasks import TaskError, load_task
-from tests.unit.env_fixtures import CHEAT_CONFTEST, ORACLE, REFERENCE_BODY, STUB, make_task
+from megatron_ext.env.demo import CHEAT_CONFTEST, ORACLE, REFERENCE_BODY, STUB, make_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

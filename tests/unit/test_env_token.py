@@ -15,7 +15,7 @@ from megatron_ext.env.sandbox import BubblewrapConfig
 from megatron_ext.env.token_env import CodingEnv
 from megatron_ext.env.tools import TOOL_SCHEMAS
 from tests.unit.data_fixtures import small_corpus, trained_tokenizer
-from tests.unit.env_fixtures import ORACLE, make_task
+from megatron_ext.env.demo import ORACLE, make_task
 
 
 def _turn(tokenizer, messages, action, index):

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox
 from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate, validate, ToolError
-from tests.unit.env_fixtures import STUB, make_task
+from megatron_ext.env.demo import STUB, make_task
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""A tiny repository task for the agentic environment tests: implement calc.add, graded by hidden tests."""
+"""A tiny repository task (implement calc.add, graded by hidden tests) and its oracle script: for tests, benchmarks
+and trying the environment without mining (`python -c "from megatron_ext.env.demo import make_task; make_task(DIR)"`)."""
 
 from __future__ import annotations
 
