@@ -1,5 +1,8 @@
-"""A tiny repository task (implement calc.add, graded by hidden tests) and its oracle script: for tests, benchmarks
-and trying the environment without mining (`python -c "from megatron_ext.env.demo import make_task; make_task(DIR)"`)."""
+"""A tiny repository task (implement calc.add, graded by hidden tests) and its oracle script, for tests, benchmarks
+and trying the environment without mining:
+
+    python -c "from megatron_ext.env.demo import make_task; print(make_task('demo'))"   # writes demo/task.json
+"""
 
 from __future__ import annotations
 

@@ -97,8 +97,7 @@ class Sandbox(Protocol):
 
     workdir: str
 
-    def exec(self, command: str, timeout_s: Optional[float] = None, stdin: Optional[bytes] = None) -> ExecResult:
-        ...
+    def exec(self, command: str, timeout_s: Optional[float] = None) -> ExecResult: ...
 
     def read_file(self, path: str) -> bytes: ...
 
@@ -127,9 +126,12 @@ def copy_source(source: str, dest: str):
     if os.path.isdir(source):
         shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
     elif os.path.isfile(source) and source.endswith((".tar.gz", ".tgz", ".tar")):
-        with tarfile.open(source) as tar:
-            members = [m for m in tar.getmembers() if ".git" not in m.name.split("/")]
-            tar.extractall(dest, members=members, filter="data")
+        try:
+            with tarfile.open(source) as tar:
+                members = [m for m in tar.getmembers() if ".git" not in m.name.split("/")]
+                tar.extractall(dest, members=members, filter="data")  # refuses members that escape dest
+        except (tarfile.TarError, OSError) as e:
+            raise SandboxError(f"repository {source}: cannot unpack ({e})") from None
         _unwrap_single_folder(dest)
     else:
         raise SandboxError(f"repository {source!r} is neither a directory nor a .tar.gz/.tgz/.tar file")
@@ -345,21 +347,14 @@ class BubblewrapSandbox:
             resource.setrlimit(which, (soft, hard))
 
     # ---- the contract -----------------------------------------------------------------------------------
-    def exec(self, command: str, timeout_s: Optional[float] = None, stdin: Optional[bytes] = None) -> ExecResult:
+    def exec(self, command: str, timeout_s: Optional[float] = None) -> ExecResult:
         if self.closed:
             raise SandboxError("exec on a closed sandbox")
         limits = self.config.limits
         timeout_s = limits.wall_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        proc = subprocess.Popen(self.command_line(command), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=self._preexec)
-        if stdin:
-            try:
-                proc.stdin.write(stdin)
-            except BrokenPipeError:
-                pass
-            proc.stdin.close()
+        proc = subprocess.Popen(self.command_line(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self._preexec)
         chunks, size, killed = [], 0, None
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)

@@ -8,7 +8,8 @@ A task is a JSON object (a ``.json`` file, or one line of a ``.jsonl`` suite):
      "test_command": "python -m pytest -q tests_hidden",   # run in the workspace after the episode; 0 = correct
      "timeout_s": 120,                       # wall-clock limit of test_command
      "hidden_tests": "hidden/calc",          # optional: a directory laid over the workspace only for grading
-     "forbidden": ["tests/*"],               # optional: globs of files the agent must not edit (restored first)
+     "forbidden": ["tests/*"],               # optional: globs ('*' crosses folders) of files the agent must not
+                                             # edit; changed ones are counted and restored before grading
      "max_turns": 30, "command_timeout_s": 60,             # optional episode limits
      "metadata": {"source": "...", "category": "...", "reference_diff_lines": 12}}
 

@@ -86,7 +86,8 @@ def test_malformed_calls_are_penalised_never_fatal(tmp_path):
     r = _run(tmp_path, actions)
     errors = [c.error for c in r.calls]
     assert "not valid JSON" in errors[0] and "unknown tool" in errors[1] and "unknown arguments" in errors[2]
-    assert "must be string" in errors[3] and "not found" in errors[4] and "occurs 2 times in calc/__init__.py (lines 5, 10)" in errors[5]
+    assert "must be string" in errors[3] and "not found" in errors[4]
+    assert "occurs 2 times in calc/__init__.py (lines 5, 10)" in errors[5]
     assert all(e is None for e in errors[6:])
     assert r.status == "finished" and r.reward["correctness"] == 1.0
     assert r.reward["invalid_calls"] == 6 and r.reward["unfinished_todos"] == 1 and r.reward["repeated_calls"] == 1
