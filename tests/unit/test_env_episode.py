@@ -188,3 +188,29 @@ def test_self_summarisation_restarts_from_the_summary_and_task_state(tmp_path):
     calls = [c["function"]["name"] for seg in r.segments + [r.messages] for m in seg for c in m.get("tool_calls", [])]
     assert calls == [a["name"] for a in ORACLE]
     assert r.counts["turns"] == len(ORACLE) + len(r.segments)
+
+
+@pytest.mark.slow
+def test_local_checkpoint_agent(tmp_path):
+    """local:CKPT serves the checkpoint with tools/serve.py on a loopback port for the episode."""
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.env.agents import make_agent
+    from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+
+    tok_dir = trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024)
+    vocab = build_tokenizer(None, tok_dir).vocab_size
+    save = str(tmp_path / "ckpt")
+    train = subprocess.run([sys.executable, "-W", "ignore", "pretrain_composer.py", "--model", "tiny", "--mock-data",
+                            "--vocab-size", str(vocab), "--seq-length", "4096", "--max-position-embeddings", "4096",
+                            "--train-iters", "1", "--global-batch-size", "1", "--micro-batch-size", "1",
+                            "--save", save], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stderr[-2000:]
+    agent = make_agent(f"local:{save}", serve_args=("--tokenizer-model", tok_dir), max_tokens=8)
+    try:
+        task = load_task(make_task(str(tmp_path / "t")))
+        r = run_episode(task, agent, EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes"))))
+    finally:
+        agent.close()
+    assert agent.process.poll() is not None  # the server is gone with the agent
+    assert r.error is None and r.status in ("no_tool_calls", "finished", "max_turns") and r.counts["turns"] >= 1
+    assert r.messages[2]["role"] == "assistant"
