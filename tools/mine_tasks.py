@@ -1,10 +1,11 @@
-"""Mine repository tasks by feature deletion from git checkouts, directories or sdists with tests.
+"""Mine repository tasks from git checkouts, directories or sdists with tests: feature deletion, and (--commits N)
+reverting recent commits that changed code and tests.
 
-    python tools/mine_tasks.py REPO_OR_SDIST... --out tasks/suite.jsonl [--max-tasks 10]
+    python tools/mine_tasks.py REPO_OR_SDIST... --out tasks/suite.jsonl [--max-tasks 10] [--commits 50]
     pip download --no-binary :all: --no-deps PKG==VERSION -d sdists && python tools/mine_tasks.py sdists/*.tar.gz \
         --out tasks/pkg.jsonl
 
-Each accepted task was verified: its test command fails with the body deleted and passes on the reference. Task
+Each accepted task was verified: its test command fails on the agent's starting code and passes on the reference. Task
 folders (the agent's repository and the hidden tests) go to OUT's folder under OUT_STEM.d/; what was skipped is
 printed with its reason. See megatron_ext/env/mining.py.
 """
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-candidates", type=int, default=20, help="functions tried per source")
     p.add_argument("--min-body-lines", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit of one test-suite run")
+    p.add_argument("--commits", type=int, default=0,
+                   help="also mine 'revert a commit' tasks from the last N commits of each git checkout")
     args = p.parse_args(argv)
     if not args.out.endswith(".jsonl"):
         print("error: --out must name a .jsonl file", file=sys.stderr)
@@ -47,6 +50,10 @@ def main(argv=None) -> int:
         found, why = miner.mine(source, assets, task_base=base)
         tasks += found
         skipped += why
+        if args.commits and os.path.isdir(os.path.join(source, ".git")):
+            found, why = miner.mine_commits(source, assets, args.commits, task_base=base)
+            tasks += found
+            skipped += why
     write_tasks(args.out, tasks)
     for what, reason in skipped:
         print(json.dumps({"skipped": what, "reason": reason}), file=sys.stderr)

@@ -1,4 +1,6 @@
-"""Task mining by feature deletion: remove the body of a function the tests cover, ask the agent to implement it.
+"""Task mining from real code with tests: feature deletion, and reverting a commit that changed code and tests.
+
+Feature deletion (`Miner.mine`): remove the body of a function the tests cover, ask the agent to implement it.
 
 For each source (a directory, a git checkout or an sdist .tar.gz):
 
@@ -12,6 +14,11 @@ For each source (a directory, a git checkout or an sdist .tar.gz):
    already failed on the reference; then verify with that exact command that the deleted version fails and the
    reference passes (otherwise skipped).
 
+Commits (`Miner.mine_commits`, git checkouts): for each of the last N non-merge commits that changed code and
+tests, the agent gets the parent's code (tests removed) and the commit message; the hidden tests are the commit's
+test files; fail-to-pass are the commit's changed tests that pass at the commit and fail on the parent's code;
+verified the same way.
+
 Everything skipped is reported with its reason. The same inputs give the same tasks.
 """
 
@@ -20,10 +27,13 @@ from __future__ import annotations
 import ast
 import difflib
 import fnmatch
+import io
 import json
 import os
 import shlex
 import shutil
+import subprocess
+import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -235,43 +245,147 @@ class Miner:
             return None, "deleting the body breaks no passing test"
         task_id = f"{name}:{c.path}::{c.qualname}".replace(os.sep, "/")
         folder = os.path.join(out_dir, _slug(task_id))
-        shutil.rmtree(folder, ignore_errors=True)
-        repo, hidden = os.path.join(folder, "repo"), os.path.join(folder, "hidden")
-        shutil.copytree(ref, repo, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+        repo, hidden = _layout(folder, ref, tests, ref, tests)
         with open(os.path.join(repo, c.path), "w", encoding="utf-8") as f:
             f.write(deleted)
-        for t in tests:
-            dest = os.path.join(hidden, t)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.replace(os.path.join(repo, t), dest)
-        for base, _, _ in os.walk(repo, topdown=False):
-            if base != repo and not os.listdir(base):  # folders the tests left empty
-                os.rmdir(base)
-        files = sorted({t.split("::")[0] for t in broken})
-        deselect = sorted(t for t, s in reference.items() if s != "passed" and t.split("::")[0] in files)
-        command = pytest_command(ref, " ".join(shlex.quote(f) for f in files) +
-                                 "".join(f" --deselect {shlex.quote(t)}" for t in deselect))
-        code, output = self.check(repo, hidden, command)
-        if code == 0:
-            shutil.rmtree(folder)
-            return None, "the task's test command passes without the body"
-        code_ref, output_ref = self.check(ref, hidden, command)
-        if code_ref != 0:
-            shutil.rmtree(folder)
-            return None, f"the task's test command fails on the reference: {output_ref[-300:]}"
+        command, reason = self._verified_command(folder, ref, broken, reference)
+        if command is None:
+            return None, reason
         diff = "".join(difflib.unified_diff(deleted.splitlines(True), original.splitlines(True),
                                             f"a/{c.path}", f"b/{c.path}"))
         doc = f"\n\nIts docstring says:\n{c.docstring}" if c.docstring else ""
         instruction = (f"The body of `{c.qualname}` in `{c.path}` (line {c.lineno}) was removed; it now raises "
                        f"NotImplementedError. Implement it so that it works as the rest of the code and its callers "
                        f"expect.\n\nSignature: `{c.signature.rstrip(':')}`{doc}")
-        return {"id": task_id, "repo": os.path.relpath(repo, self.task_base), "instruction": instruction,
-                "test_command": command, "timeout_s": self.config.timeout_s,
-                "hidden_tests": os.path.relpath(hidden, self.task_base),
-                "forbidden": sorted({*tests, *[f"{d}/*" for d in TEST_DIRS], "*conftest.py"}),
-                "metadata": {"source": name, "category": "feature deletion", "function": c.id,
+        return self._record(task_id, folder, instruction, command, tests,
+                            {"source": name, "category": "feature deletion", "function": c.id,
                              "fail_to_pass": broken, "reference_diff": diff,
-                             "reference_diff_lines": c.end - c.body_start + 1}}, None
+                             "reference_diff_lines": c.end - c.body_start + 1}), None
+
+    def _verified_command(self, folder: str, ref: str, broken: list[str], reference: dict):
+        """The test command over the files of the fail-to-pass tests; (None, reason) unless it fails on the task's
+        repository and passes on the reference (the task folder is removed then)."""
+        files = sorted({t.split("::")[0] for t in broken})
+        deselect = sorted(t for t, s in reference.items() if s != "passed" and t.split("::")[0] in files)
+        command = pytest_command(ref, " ".join(shlex.quote(f) for f in files) +
+                                 "".join(f" --deselect {shlex.quote(t)}" for t in deselect))
+        repo, hidden = os.path.join(folder, "repo"), os.path.join(folder, "hidden")
+        if self.check(repo, hidden, command)[0] == 0:
+            shutil.rmtree(folder)
+            return None, "the task's test command passes on the task's repository"
+        code, output = self.check(ref, hidden, command)
+        if code != 0:
+            shutil.rmtree(folder)
+            return None, f"the task's test command fails on the reference: {output[-300:]}"
+        return command, None
+
+    def _record(self, task_id, folder, instruction, command, hidden_tests, metadata) -> dict:
+        return {"id": task_id, "repo": os.path.relpath(os.path.join(folder, "repo"), self.task_base),
+                "instruction": instruction, "test_command": command, "timeout_s": self.config.timeout_s,
+                "hidden_tests": os.path.relpath(os.path.join(folder, "hidden"), self.task_base),
+                "forbidden": sorted({*hidden_tests, *[f"{d}/*" for d in TEST_DIRS], "*conftest.py"}),
+                "metadata": metadata}
+
+    # ---- "revert a commit that changed code and tests" ----------------------------------------------------
+    def mine_commits(self, repo: str, out_dir: str, max_commits: int = 50, name: Optional[str] = None,
+                     task_base: Optional[str] = None) -> tuple[list[dict], list[tuple]]:
+        """Tasks from the last max_commits non-merge commits of a git checkout (HEAD's history, newest first)
+        that changed both code and tests: the agent gets the parent's code, the instruction is the commit
+        message, the hidden tests are the commit's. The checkout is only read (git log / diff / archive)."""
+        self.task_base = task_base or out_dir
+        name = name or os.path.basename(os.path.normpath(repo))
+        if not os.path.isdir(os.path.join(repo, ".git")):
+            return [], [(repo, "not a git checkout (no .git)")]
+        commits = _git(repo, "log", "--no-merges", "--format=%H %P", f"-n{max_commits}").split("\n")
+        tasks, skipped = [], []
+        for line in filter(None, commits):
+            commit, *parents = line.split()
+            if len(tasks) >= self.config.max_tasks:
+                skipped.append((commit, f"over --max-tasks {self.config.max_tasks}"))
+                continue
+            if len(parents) != 1:
+                skipped.append((commit, "root commit (no parent)"))
+                continue
+            changed = _git(repo, "diff", "--name-only", parents[0], commit).split("\n")
+            code = [f for f in changed if f.endswith(".py") and not is_test_file(f)]
+            if not code or not any(is_test_file(f) for f in changed):
+                skipped.append((commit, "does not change both code and tests"))
+                continue
+            task, reason = self._commit_task(repo, commit, parents[0], changed, out_dir, name)
+            if task is None:
+                skipped.append((commit, reason))
+            else:
+                tasks.append(task)
+                self.log(f"accepted {task['id']}: {len(task['metadata']['fail_to_pass'])} fail-to-pass tests")
+        return tasks, skipped
+
+    def _commit_task(self, repo: str, commit: str, parent: str, changed: list[str], out_dir: str, name: str):
+        with tempfile.TemporaryDirectory(prefix="megatron-mine-") as work:
+            ref, before, composite = (os.path.join(work, d) for d in ("reference", "parent", "composite"))
+            _git_tree(repo, commit, ref)
+            _git_tree(repo, parent, before)
+            tests = [f for f in python_files(ref) if is_test_file(f)]
+            old_tests = [f for f in python_files(before) if is_test_file(f)]
+            reference = self.run_suite(ref, tests)
+            _layout(composite, before, old_tests, ref, tests)
+            shutil.copytree(os.path.join(composite, "hidden"), os.path.join(composite, "repo"), dirs_exist_ok=True)
+            after = self.run_suite(os.path.join(composite, "repo"), tests)
+            changed_tests = {f for f in changed if is_test_file(f)}
+            broken = sorted(t for t, s in reference.items() if s == "passed" and t.split("::")[0] in changed_tests
+                            and after.get(t, "failed") == "failed")
+            if not broken:
+                return None, "the commit's tests do not fail before it (or fail after it)"
+            task_id = f"{name}:commit:{commit[:12]}"
+            folder = os.path.join(out_dir, _slug(task_id))
+            _layout(folder, before, old_tests, ref, tests)
+            command, reason = self._verified_command(folder, ref, broken, reference)
+            if command is None:
+                return None, reason
+            message = _git(repo, "log", "-1", "--format=%B", commit).strip()
+            code = [f for f in changed if f.endswith(".py") and not is_test_file(f)]
+            diff = _git(repo, "diff", parent, commit, "--", *code)
+            instruction = (f"Make the change this commit message describes:\n\n{message}\n\n"
+                           "Hidden tests check the result.")
+            return self._record(task_id, folder, instruction, command, tests,
+                                {"source": name, "category": "commit", "commit": commit, "parent": parent,
+                                 "fail_to_pass": broken, "reference_diff": diff,
+                                 "reference_diff_lines": sum(1 for line in diff.splitlines()
+                                                             if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+                                 }), None
+
+
+def _git(repo: str, *args: str) -> str:
+    r = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} in {repo}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def _git_tree(repo: str, commit: str, dest: str):
+    """The files of a commit, unpacked into dest (git archive; nothing in the checkout changes)."""
+    data = subprocess.run(["git", "-C", repo, "archive", "--format=tar", commit], capture_output=True, check=True)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def _layout(folder: str, agent_src: str, agent_tests: list[str], test_src: str, hidden_tests: list[str]):
+    """folder/repo: agent_src without its test files (and the folders they leave empty); folder/hidden: the
+    hidden test files from test_src. Returns both paths."""
+    shutil.rmtree(folder, ignore_errors=True)
+    repo, hidden = os.path.join(folder, "repo"), os.path.join(folder, "hidden")
+    shutil.copytree(agent_src, repo, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    for t in agent_tests:
+        os.unlink(os.path.join(repo, t))
+    for base, _, _ in os.walk(repo, topdown=False):
+        if base != repo and not os.listdir(base):
+            os.rmdir(base)
+    for t in hidden_tests:
+        dest = os.path.join(hidden, t)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copy2(os.path.join(test_src, t), dest)
+    os.makedirs(hidden, exist_ok=True)
+    return repo, hidden
 
 
 def _slug(text: str) -> str:

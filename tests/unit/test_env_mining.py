@@ -144,3 +144,46 @@ def test_mine_a_git_repository_and_play_the_tasks(tmp_path):
     config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
     assert run_episode(mul, ScriptAgent(oracle), config).reward["correctness"] == 1.0
     assert run_episode(mul, ScriptAgent([]), config).reward["correctness"] == 0.0
+
+
+@pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
+def test_mine_commits_that_changed_code_and_tests(tmp_path):
+    from megatron_ext.env.mining import Miner
+    repo = _git_repo(tmp_path)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    feature = PACKAGE + '''
+
+def neg(x):
+    """Minus x."""
+    return -x
+'''
+    (repo / "mathy" / "__init__.py").write_text(feature)
+    (repo / "tests" / "test_neg.py").write_text("from mathy import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n")
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "Add neg(x), the negation of x"], cwd=repo, check=True, env=env)
+    (repo / "README").write_text("docs only\n")
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "Docs"], cwd=repo, check=True, env=env)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+    out = tmp_path / "suite"
+    tasks, skipped = Miner(log=lambda m: None).mine_commits(str(repo), str(out), max_commits=10)
+    reasons = [reason for _, reason in skipped]
+    assert reasons == ["does not change both code and tests", "root commit (no parent)"]
+    assert len(tasks) == 1
+    path = out / "suite.jsonl"
+    path.write_text(json.dumps(tasks[0]) + "\n")
+    task = load_tasks(str(path))[0]
+    assert task.instruction.startswith("Make the change this commit message describes:\n\nAdd neg(x), the negation")
+    assert task.metadata["fail_to_pass"] == ["tests/test_neg.py::test_neg"]
+    assert "+def neg(x):" in task.metadata["reference_diff"]
+    assert "neg" not in open(os.path.join(task.repo, "mathy", "__init__.py")).read()  # the parent's code
+    assert sorted(os.listdir(os.path.join(task.hidden_tests, "tests"))) == ["test_mathy.py", "test_neg.py"]
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip() \
+        == head and (repo / "mathy" / "__init__.py").read_text() == feature  # the checkout is only read
+
+    oracle = [{"name": "write_file", "arguments": {"path": "mathy/__init__.py", "content": feature}}]
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
+    assert run_episode(task, ScriptAgent(oracle), config).reward["correctness"] == 1.0
+    assert run_episode(task, ScriptAgent([]), config).reward["correctness"] == 0.0
