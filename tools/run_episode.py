@@ -6,8 +6,9 @@
 
 ACTIONS.json is a JSON list of tool calls, {"name": "run_command", "arguments": {"command": "..."}}, played in
 order, then finish. The output's "reward" object holds every part ("correctness", "tests_fraction", "style",
-"communication", the penalties, "length") and the weighted "total". The evaluation harness and RL use the same
-episode code (megatron_ext/env/episode.py).
+"communication", the penalties, "length") and the weighted "total"; the --env-* flags (megatron_ext/env/
+arguments.py) set the sandbox limits, the reward weights and self-summarisation. The evaluation harness and RL use
+the same episode code (megatron_ext/env/episode.py).
 """
 
 import argparse
@@ -19,9 +20,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.env.agents import AgentError, make_agent  # noqa: E402
-from megatron_ext.env.episode import EpisodeConfig, run_episode  # noqa: E402
-from megatron_ext.env.rewards import WeightFile  # noqa: E402
-from megatron_ext.env.sandbox import BubblewrapConfig, Limits, SandboxError  # noqa: E402
+from megatron_ext.env.arguments import add_env_args, episode_config  # noqa: E402
+from megatron_ext.env.episode import run_episode  # noqa: E402
+from megatron_ext.env.sandbox import SandboxError  # noqa: E402
 from megatron_ext.env.tasks import TaskError, load_task  # noqa: E402
 
 
@@ -33,17 +34,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per model turn")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--serve-arg", action="append", default=[], help="extra tools/serve.py flag (local: agents)")
-    p.add_argument("--reward-weights", default=None, help="JSON weights file (megatron_ext/env/rewards.py)")
-    p.add_argument("--memory-gb", type=float, default=4.0, help="address-space limit of sandboxed processes")
-    p.add_argument("--max-processes", type=int, default=256, help="process limit of a sandbox")
-    p.add_argument("--env-summarize-at", type=int, default=None,
-                   help="context tokens past which the agent is asked to summarise and continues from the summary")
     p.add_argument("--output", default=None, help="also write the JSON here")
+    add_env_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
         task = load_task(args.task)
-        weights = WeightFile(args.reward_weights).current()
+        config = episode_config(args)
+        config.sandbox.limits.wall_s = task.command_timeout_s
         kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "model": args.model}
         if args.agent.startswith("local:"):
             kwargs["serve_args"] = tuple(args.serve_arg)
@@ -51,11 +49,8 @@ def main(argv=None) -> int:
     except (TaskError, AgentError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    limits = Limits(memory_bytes=int(args.memory_gb * (1 << 30)), processes=args.max_processes,
-                    wall_s=task.command_timeout_s)
     try:
-        result = run_episode(task, agent, EpisodeConfig(sandbox=BubblewrapConfig(limits=limits), weights=weights,
-                                                         summarize_at=args.env_summarize_at))
+        result = run_episode(task, agent, config)
     except SandboxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -243,6 +243,23 @@ def check_config(config, where: str) -> dict:
     return out
 
 
+def override_weights(config: dict, items: list[str]) -> dict:
+    """config with 'NAME=VALUE' weight overrides (--env-reward-weight); names are checked."""
+    out = copy.deepcopy(config)
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or number is None:
+            raise ValueError(f"--env-reward-weight {item!r}: expected NAME=NUMBER")
+        if name.strip() not in out["weights"]:
+            raise ValueError(f"--env-reward-weight {item!r}: unknown part; parts: {sorted(out['weights'])}")
+        out["weights"][name.strip()] = number
+    return out
+
+
 class WeightFile:
     """Reward weights from a JSON file, re-read when its mtime changes; `changes` lists (step, config) taken.
 

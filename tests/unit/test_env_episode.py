@@ -126,15 +126,23 @@ def test_run_episode_cli_prints_reward_json(tmp_path):
     actions = tmp_path / "actions.json"
     actions.write_text(json.dumps(ORACLE[2:3]))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_episode.py"), "--task", path,
-                          "--agent", f"script:{actions}"], capture_output=True, text=True, timeout=300)
+                          "--agent", f"script:{actions}", "--env-reward-weight", "correctness=2",
+                          "--env-reward-weight", "length=0", "--env-max-processes", "64"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["reward"]["correctness"] == 1.0 and result["status"] == "finished"
+    reward = result["reward"]
+    assert reward["correctness"] == 1.0 and result["status"] == "finished"
+    assert reward["weights"]["correctness"] == 2.0 and reward["weights"]["length"] == 0.0
+    assert reward["total"] == pytest.approx(sum(reward["weights"][k] * reward[k] for k in reward["weights"]))
     assert [c["name"] for c in result["tool_calls"]] == ["edit_file", "finish"]
     assert result["transcript"][-1] == {"role": "tool", "tool_call_id": "functions.finish:1", "content": "finished"}
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_episode.py"), "--task", path,
-                          "--agent", "robot:x"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "expected script:ACTIONS.json" in bad.stderr
+    for extra, message in ((["--agent", "robot:x"], "expected script:ACTIONS.json"),
+                           (["--agent", f"script:{actions}", "--env-reward-weight", "corectness=1"], "unknown part"),
+                           (["--agent", f"script:{actions}", "--env-memory-gb", "0"], "--env-memory-gb must be")):
+        bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_episode.py"), "--task", path, *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-500:]
 
 
 def test_endpoint_agent_against_our_server(tmp_path):

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from megatron_ext.env.rewards import (EpisodeFacts, WeightFile, changed_lines, communication, concave_length,
-                                      passed_fraction, repeated_calls, score, style_violations)
+from megatron_ext.env.rewards import (DEFAULT_WEIGHTS, EpisodeFacts, WeightFile, changed_lines, communication,
+                                      concave_length, override_weights, passed_fraction, repeated_calls, score,
+                                      style_violations)
 
 
 def test_concave_length_by_hand():
@@ -92,3 +93,13 @@ def test_weight_file_reloads_and_logs(tmp_path):
     with pytest.raises(ValueError, match="length.k must be positive"):
         path.write_text(json.dumps({"length": {"k": 0}}))
         WeightFile(str(path))
+
+
+def test_override_weights():
+    out = override_weights(DEFAULT_WEIGHTS, ["style=-0.5", " length = 0"])
+    assert out["weights"]["style"] == -0.5 and out["weights"]["length"] == 0.0
+    assert DEFAULT_WEIGHTS["weights"]["style"] == -0.02  # the defaults are not modified
+    for bad, message in (("style", "expected NAME=NUMBER"), ("style=x", "expected NAME=NUMBER"),
+                         ("styel=1", "unknown part")):
+        with pytest.raises(ValueError, match=message):
+            override_weights(DEFAULT_WEIGHTS, [bad])
