@@ -134,20 +134,46 @@ def _text(entry) -> Optional[str]:
         return None
 
 
-def _restore(workspace: str, rel: str, entry):
-    path = os.path.join(workspace, rel)
+def clear_path(root: str, rel: str) -> str:
+    """The host path of root/rel, made safe to write as a regular file: any symlink or file standing where a folder
+    of the path should be, and whatever occupies the path itself, is removed first. Host-side writes into a
+    workspace the agent shaped (restoring files, laying hidden tests over it) go through here, so a symlink the
+    agent planted can never redirect them outside the workspace."""
+    parts = os.path.normpath(rel).split(os.sep)
+    if os.path.isabs(rel) or ".." in parts:
+        raise ValueError(f"{rel}: not a path inside the workspace")
+    current = root
+    for name in parts[:-1]:
+        current = os.path.join(current, name)
+        if os.path.islink(current) or (os.path.exists(current) and not os.path.isdir(current)):
+            os.unlink(current)
+        if not os.path.exists(current):
+            os.mkdir(current)
+    path = os.path.join(current, parts[-1])
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
         shutil.rmtree(path)
+    elif os.path.exists(path):  # a FIFO, socket or device node
+        os.unlink(path)
+    return path
+
+
+def _restore(workspace: str, rel: str, entry):
+    path = clear_path(workspace, rel)
     if entry is None:
         return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     if entry[0] == "link":
         os.symlink(entry[1], path)
     else:
         with open(path, "wb") as f:
             f.write(entry[1])
+
+
+def overlay(folder: str, workspace: str):
+    """Copy every file under folder into workspace at the same relative path (see clear_path)."""
+    for rel, entry in sorted(snapshot(folder).items()):
+        _restore(workspace, rel, entry)
 
 
 class Session:
@@ -283,7 +309,9 @@ class Session:
         box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
         final = snapshot(box.workspace)
         changed = changed_paths(pristine, final)
-        forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) for g in self.task.forbidden)]
+        # a glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)
+        forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) or fnmatch.fnmatch(p + "/", g)
+                                               for g in self.task.forbidden)]
         for rel in forbidden:
             _restore(box.workspace, rel, pristine.get(rel))
         changes = {}
@@ -297,7 +325,7 @@ class Session:
             sandbox.limits, output_bytes=self.config.grading_output_bytes))
         with BubblewrapSandbox(box.workspace, grading_config) as grader:
             if self.task.hidden_tests:
-                shutil.copytree(self.task.hidden_tests, grader.workspace, dirs_exist_ok=True, symlinks=True)
+                overlay(self.task.hidden_tests, grader.workspace)
             r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
         grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
                    "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden}

@@ -222,3 +222,15 @@ def test_local_checkpoint_agent(tmp_path):
     assert agent.process.poll() is not None  # the server is gone with the agent
     assert r.error is None and r.status in ("no_tool_calls", "finished", "max_turns") and r.counts["turns"] >= 1
     assert r.messages[2]["role"] == "assistant"
+
+
+def test_planted_symlinks_cannot_redirect_grading_writes(tmp_path):
+    """The agent turns the forbidden tests folder and the hidden tests' folder into symlinks to a host folder;
+    restoring the tests and laying the hidden tests over the workspace must not write there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    plant = f"rm -rf tests && ln -s {outside} tests && ln -s {outside} tests_hidden && ln -s {outside} conftest.py"
+    r = _run(tmp_path, [{"name": "run_command", "arguments": {"command": plant}}])
+    assert os.listdir(outside) == []
+    assert "4 failed" in r.grading["output"] and r.reward["correctness"] == 0.0
+    assert set(r.grading["forbidden_edits"]) == {"conftest.py", "tests", "tests/test_visible.py", "tests_hidden"}
