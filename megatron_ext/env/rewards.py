@@ -188,9 +188,11 @@ class Score:
     weights: dict
     total: float
     length_x: float
+    error: Optional[str] = None  # why the episode could not be scored (parts empty, total 0)
 
     def to_json(self) -> dict:
-        return {**self.parts, "total": self.total, "length_x": self.length_x, "weights": self.weights}
+        return {**self.parts, "total": self.total, "length_x": self.length_x, "weights": self.weights,
+                "error": self.error}
 
 
 def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:

@@ -5,7 +5,7 @@ chat template, ending in an open assistant turn); ``step(model ids) -> StepResul
 model's turn is parsed back into a message (`parse_assistant`), its tool calls run in the episode's sandbox, and
 the observation is exactly the tokens to append before the next model turn (the tool messages and the next
 assistant header, preceded by ``<|im_end|>`` when the model's turn was cut before closing itself); ``score()``
-grades and returns the reward parts and total. An episode is one token sequence (model tokens are never
+grades and returns the reward parts and total (a grading failure gives total 0 and the error, never an exception). An episode is one token sequence (model tokens are never
 re-tokenised, environment tokens are rendered once), or, with self-summarisation, a chain of sequences: a step
 with ``restart`` closes the current sequence after the model's summary and gives the prompt of the next; every
 sequence of the chain shares the episode's final reward.
@@ -13,6 +13,7 @@ sequence of the chain shares the episode's final reward.
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,7 +67,11 @@ class CodingEnv:
     def score(self) -> Score:
         if self.session is None:
             raise RuntimeError("score() needs an episode: call reset(task) first")
-        self.result = self.session.finish()
+        try:
+            self.result = self.session.finish()
+        except Exception as e:  # grading that fails scores this sample 0 with the error; the run goes on
+            self.session.close()
+            return Score({}, {}, 0.0, 0.0, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
         reward = self.result.reward
         return Score({k: v for k, v in reward.items() if k in reward["weights"]}, reward["weights"],
                      reward["total"], reward["length_x"])

@@ -98,3 +98,19 @@ def test_self_summarisation_chains_sequences(tmp_path):
     assert sequences[0] == render_chat(tokenizer, env.session.segments[0], tools=TOOL_SCHEMAS).ids
     assert sequences[1] == render_chat(tokenizer, env.session.messages[:-1], tools=TOOL_SCHEMAS).ids
     assert env.score().parts["correctness"] == 1.0
+
+
+def test_grading_failure_scores_zero_with_the_error(tmp_path, monkeypatch):
+    from megatron_ext.env import episode
+    tokenizer = build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
+    path = make_task(str(tmp_path / "t"))
+    env = CodingEnv(tokenizer, EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes"))),
+                    task_dir=os.path.dirname(path))
+    env.reset(json.load(open(path)))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(episode, "overlay", broken)
+    score = env.score()
+    assert score.total == 0.0 and score.parts == {} and "OSError: disk full" in score.error
+    assert os.listdir(tmp_path / "boxes") == []
