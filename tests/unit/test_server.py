@@ -12,10 +12,11 @@ import pytest
 
 import pretrain_composer as entry
 from megatron_ext.arguments import parse_args
-from megatron_ext.inference.engine import InferenceEngine
+from megatron_ext.inference.engine import InferenceEngine, SamplingParams
 from megatron_ext.inference.server import ModelService, serve
 from megatron_ext.inference.reload import CheckpointReload
 from megatron_ext.training.initialize import destroy, initialize_distributed
+from megatron_ext.training.checkpointing import load_weights
 from megatron_ext.training.step import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -100,13 +101,30 @@ def test_unknown_endpoint_is_404(server):
 
 
 def test_reload_swaps_weights(server):
+    """After /v1/reload the server answers exactly as a fresh engine built on the new checkpoint."""
     url, save = server
-    request = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "logprobs": 1}
-    before = _call(url, "/v1/completions", request)[1]["choices"][0]["logprobs"]["token_logprobs"]
+    requests = [{"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "logprobs": 1},
+                {"prompt": [9, 1], "max_tokens": 4, "temperature": 1.0, "top_p": 0.9, "seed": 3, "logprobs": 1}]
+
+    def served():
+        choices = [_call(url, "/v1/completions", r)[1]["choices"][0] for r in requests]
+        return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+    before = served()
     status, body = _call(url, "/v1/reload", {"load": save})
     assert status == 200 and body["weights_version"] == 1
-    after = _call(url, "/v1/completions", request)[1]["choices"][0]["logprobs"]["token_logprobs"]
+    after = served()
     assert after != before
+    args = parse_args(["--model", "tiny", "--mock-data"], world_size=1)
+    fresh = build_model(args, wrap_ddp=False)
+    load_weights(args, fresh, save, log=lambda *a, **k: None)
+    engine = InferenceEngine(fresh[0])
+    for r, (ids, logprobs) in zip(requests, after):
+        params = SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r.get("top_p", 1.0),
+                                seed=r.get("seed"))
+        want = engine.generate([r["prompt"]], params)[0]
+        assert ids == want.token_ids
+        assert logprobs == pytest.approx(want.logprobs, abs=1e-6)
     status, body = _call(url, "/v1/reload", {"load": save + "/nothing-here"})
     assert status == 422 and "cannot load" in body["error"]["message"]
     assert _call(url, "/health")[1]["weights_version"] == 1
