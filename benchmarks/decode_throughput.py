@@ -3,6 +3,10 @@
 (a) Our latent-cache greedy decoding on the Megatron model ÷ `transformers` `generate` (KV cache on) on the same
     weights: a random DeepSeek-V3-shaped model is saved by transformers, imported with our converter, and both
     decode the same prompt for the same number of tokens (goal >= 2x).
+    (a) also prints the weight-read floor: the time per token of only the one-row matrix products a decode step
+    makes (every attention projection, the router, the shared expert, top-k routed experts, the dense MLP of the
+    first layer, the output layer), timed as bare `F.linear` calls; `--only floor` prints just that, without
+    transformers' side.
 (b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
     With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
     at line starts from a --prompts-from text/code file and tokenised with the checkpoint's tokenizer (or
@@ -12,7 +16,7 @@
 Timings alternate between the two sides of each ratio (one run of each per repeat, after a warm-up) and report
 medians, so that load from other jobs on a shared machine hits both sides alike.
 
-    python benchmarks/decode_throughput.py [--only a|b] [--tokens 64] [--repeats 5] [--threads 2]
+    python benchmarks/decode_throughput.py [--only a|b|floor] [--tokens 64] [--repeats 5] [--threads 2]
     python benchmarks/decode_throughput.py --only b --load CKPT --prompts-from /usr/lib/python3.11/json/decoder.py
 """
 
@@ -91,7 +95,52 @@ def load_engine(load: str) -> tuple[InferenceEngine, argparse.Namespace]:
     return InferenceEngine(model[0]), args
 
 
-def versus_transformers(opts, workdir: str) -> str:
+def decode_weights(engine: InferenceEngine) -> list[torch.Tensor]:
+    """The matrices one decode step (batch 1) multiplies a row by: the attention projections, the router, the
+    shared expert and top-k routed experts of each MoE layer (which k does not change the bytes), the dense MLP,
+    the output layer. Norm vectors are left out (a few KB)."""
+    def matrices(module):
+        return [m.weight for m in module.modules() if torch.is_tensor(getattr(m, "weight", None))
+                and m.weight.dim() == 2]
+
+    out = []
+    for layer in engine.layers:
+        out += matrices(layer.self_attention)
+        mlp = layer.mlp
+        router = getattr(mlp, "router", None)
+        if router is None:
+            out += matrices(mlp)
+            continue
+        out.append(router.weight)
+        if getattr(mlp, "shared_experts", None) is not None:
+            out += matrices(mlp.shared_experts)
+        for expert in list(mlp.experts.local_experts)[: router.topk]:
+            out += matrices(expert)
+    model = engine.model
+    out.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+               else model.output_layer.weight)
+    return out
+
+
+def weight_read_floor(engine: InferenceEngine, repeats: int = 30) -> tuple[float, float]:
+    """(MB read, median ms) of one decode step's matrix products alone, as one-row `F.linear` calls."""
+    import torch.nn.functional as F
+
+    weights = [w.detach() for w in decode_weights(engine)]
+    rows = [torch.randn(1, w.size(1), dtype=w.dtype) for w in weights]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 3):
+            t = time.perf_counter()
+            for x, w in zip(rows, weights):
+                F.linear(x, w)
+            times.append(time.perf_counter() - t)
+    mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    return mb, statistics.median(times[3:]) * 1e3
+
+
+def random_deepseek(opts, workdir: str):
+    """A random DeepSeek-V3-shaped transformers model and our engine on the same weights (imported)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
@@ -110,6 +159,23 @@ def versus_transformers(opts, workdir: str) -> str:
     import_hf(hf_dir, save, **QUIET)
     destroy()
     engine, _ = load_engine(save)
+    return hf, engine
+
+
+def floor_only(opts, workdir: str) -> str:
+    _, engine = random_deepseek(opts, workdir)
+    load = OtherLoad()
+    mb, ms = weight_read_floor(engine)
+    busy = load.fraction()
+    destroy()
+    return (f"weight-read floor, hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4, "
+            f"{opts.threads} threads: {mb:.1f} MB of weights per decode step, {ms:.2f} ms per token as bare one-row "
+            f"F.linear calls ({mb / ms:.1f} GB/s); other processes used {busy:.0%} of the CPUs meanwhile")
+
+
+def versus_transformers(opts, workdir: str) -> str:
+    hf, engine = random_deepseek(opts, workdir)
+    hidden = opts.hidden
     prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
     ids = torch.tensor([prompt])
 
@@ -127,6 +193,7 @@ def versus_transformers(opts, workdir: str) -> str:
     ours_1, theirs_1 = alternate(lambda: ours(1), lambda: theirs(1), opts.repeats)
     busy = load.fraction()
     same = ours(n) == theirs(n)
+    floor_mb, floor_ms = weight_read_floor(engine)
     destroy()
     median, lo, hi = ratio_summary(ours_s, theirs_s)
     med = statistics.median
@@ -137,8 +204,9 @@ def versus_transformers(opts, workdir: str) -> str:
             f"tok/s, transformers generate {n / med(theirs_s):.1f} tok/s -> {median:.2f}x (paired runs "
             f"{lo:.2f}-{hi:.2f}); decoding alone (minus the prompt's forward) ours {ours_decode:.1f}, transformers "
             f"{theirs_decode:.1f} tok/s -> {ours_decode / theirs_decode:.2f}x (goal >= 2); prompt forward ours "
-            f"{med(ours_1) * 1e3:.0f} ms, transformers {med(theirs_1) * 1e3:.0f} ms; same tokens: {same}; other "
-            f"processes used {busy:.0%} of the CPUs meanwhile")
+            f"{med(ours_1) * 1e3:.0f} ms, transformers {med(theirs_1) * 1e3:.0f} ms; same tokens: {same}; "
+            f"weight-read floor {floor_mb:.1f} MB, {floor_ms:.2f} ms per token (ours decoding "
+            f"{1e3 / ours_decode:.2f} ms per token); other processes used {busy:.0%} of the CPUs meanwhile")
 
 
 def checkpoint_tokenizer(load: str, tokenizer_model, tokenizer_type):
@@ -224,7 +292,8 @@ def speculative(opts, workdir: str) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["a", "b"], default=None, help="run one of the two measurements")
+    p.add_argument("--only", choices=["a", "b", "floor"], default=None,
+                   help="run one of the two measurements, or only (a)'s weight-read floor")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side after a warm-up")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -246,6 +315,8 @@ def main(argv=None):
     torch.set_num_threads(opts.threads)
     workdir = tempfile.mkdtemp(prefix="decode_bench_")
     try:
+        if opts.only == "floor":
+            print(floor_only(opts, workdir), flush=True)
         if opts.only in (None, "a"):
             print(versus_transformers(opts, workdir), flush=True)
         if opts.only in (None, "b"):

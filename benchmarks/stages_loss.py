@@ -9,8 +9,10 @@ Writes docs/stages_loss.png and prints the figures docs/benchmarks.md records:
   - the pretraining loss against log(tokens): least-squares slope and R^2 of the validation losses (after the first
     evaluation) and of the training losses' second half, to see whether the loss falls log-linearly as the
     Composer 2 report observes on its code base;
-  - the short-context cost of YaRN: validation loss on 256-token windows of the pretrained weights with plain RoPE,
-    under the extension's YaRN before any extension training, and after the extension stage.
+  - the short-context cost of YaRN: loss on 256-token windows of held-out documents (the validation and test
+    splits of the pretraining flag file's --split, never trained on) of the pretrained weights with plain RoPE,
+    under the extension's YaRN before any extension training (with and without YaRN's attention temperature:
+    --mscale 0 --mscale-all-dim 0), and after the extension stage.
 """
 
 from __future__ import annotations
@@ -48,19 +50,36 @@ def ensure_data(py: str):
             "--output", os.path.join(DATA, "sft.jsonl")])
 
 
-def short_context_loss(flags: list[str], path: str, windows: int = 16, seq: int = 256) -> float:
-    """Mean per-token loss of the weights under `path` on 256-token windows of the last documents (held out)."""
+def held_out_windows(split: str, windows: int = 16, seq: int = 256):
+    """`windows` rows of seq + 1 tokens from the documents that `--split` puts in the validation and test splits
+    (Megatron-Core's builder takes the training split's documents first, as megatron_ext.data.gpt.split_ranges
+    rounds them), in batches of 4 (tokens, labels)."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.training.lm import window_loss
+    from megatron_ext.data.gpt import parse_split, split_ranges
 
     ds = IndexedDataset(os.path.join(DATA, "stdlib_text_document"))
-    ids = torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds) - 40, len(ds))]).astype("int64"))
+    train_end = split_ranges(len(ds), parse_split(split))[0][1]
+    need, parts, doc = windows * (seq + 1), [], train_end
+    while sum(len(p) for p in parts) < need and doc < len(ds):
+        parts.append(np.asarray(ds[doc], dtype=np.int64))
+        doc += 1
     del ds
-    rows = ids[: windows * (seq + 1)].view(windows, seq + 1)
-    return window_loss(flags, path, [(rows[i:i + 4, :-1], rows[i:i + 4, 1:]) for i in range(0, windows, 4)])
+    ids = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
+    if ids.numel() < need:
+        raise SystemExit(f"the held-out documents (after the first {train_end} of --split {split}) hold "
+                         f"{ids.numel()} tokens, fewer than {windows} windows of {seq + 1}")
+    rows = ids[:need].view(windows, seq + 1)
+    return [(rows[i:i + 4, :-1], rows[i:i + 4, 1:]) for i in range(0, windows, 4)], (train_end, doc)
+
+
+def short_context_loss(flags: list[str], path: str, batches) -> float:
+    """Mean per-token loss of the weights under `path`, built with `flags`, on the held-out windows."""
+    from megatron_ext.training.lm import window_loss
+
+    return window_loss(flags, path, batches)
 
 
 def fit_loglinear(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -124,10 +143,14 @@ def main() -> int:
     train_slope, train_r2 = fit_loglinear(pre_train[len(pre_train) // 2:])
 
     common = ["--model", "tiny", "--mock-data", "--micro-batch-size", "4"]
-    plain = short_context_loss(common + ["--load", ck["pretrain"], "--use-checkpoint-args"], ck["pretrain"])
-    yarn = short_context_loss(common + ["--stage", "extend", "--load", ck["pretrain"], "--seq-length", "1024"],
-                              ck["pretrain"])
-    extended = short_context_loss(common + ["--load", ck["extend"], "--use-checkpoint-args"], ck["extend"])
+    split = parse_args(["@examples/tiny/pretrain.args", "--dry-run"], world_size=2).split
+    windows, (first_doc, end_doc) = held_out_windows(split)
+    extend = common + ["--stage", "extend", "--load", ck["pretrain"], "--seq-length", "1024"]
+    plain = short_context_loss(common + ["--load", ck["pretrain"], "--use-checkpoint-args"], ck["pretrain"], windows)
+    yarn = short_context_loss(extend, ck["pretrain"], windows)
+    yarn_no_temperature = short_context_loss(extend + ["--mscale", "0", "--mscale-all-dim", "0"], ck["pretrain"],
+                                             windows)
+    extended = short_context_loss(common + ["--load", ck["extend"], "--use-checkpoint-args"], ck["extend"], windows)
 
     import matplotlib
 
@@ -157,7 +180,10 @@ def main() -> int:
               "pretrain_train_loss_second_half_slope": train_slope, "pretrain_train_loss_second_half_r2": train_r2,
               "pretrain_final_loss": pre_train[-1][1],
               "pretrain_final_validation": curves["pretrain"][1][-1][1] if curves["pretrain"][1] else None,
+              "short_context_windows": f"16 x 256 tokens from held-out documents {first_doc}-{end_doc - 1} "
+                                       f"(training split: documents 0-{first_doc - 1}, --split {split})",
               "short_context_loss_plain_rope": plain, "short_context_loss_yarn_before_extension": yarn,
+              "short_context_loss_yarn_no_attention_temperature": yarn_no_temperature,
               "short_context_loss_after_extension": extended,
               "extend_final_validation": curves["extend"][1][-1][1] if curves["extend"][1] else None,
               "sft_final_validation": curves["sft"][1][-1][1] if curves["sft"][1] else None,

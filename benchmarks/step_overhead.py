@@ -2,8 +2,8 @@
 
 Both steps run in the same process on the same tiny config and the same micro-batches:
 
-* ours: `megatron_ext.training.step.train_step` with pretrain_composer's forward step (Megatron-Core DDP buffers,
-  `get_forward_backward_func`, the Megatron optimizer with the NaN/Inf guard, loss reduction, MoE/MTP trackers);
+* ours: `megatron_ext.training.step.train_step` with the LM step pretrain_composer.py trains with
+  (megatron_ext.training.lm): Megatron-Core DDP buffers, `get_forward_backward_func`, the Megatron optimizer with the NaN/Inf guard, loss reduction, MoE/MTP trackers);
 * bare: the GPTModel alone, forward + backward per micro-batch, `torch.nn.utils.clip_grad_norm_`,
   `torch.optim.AdamW`.
 
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import pretrain_composer as entry  # noqa: E402
+from megatron_ext.training import lm  # noqa: E402
 from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.training.initialize import destroy, initialize_distributed  # noqa: E402
 from megatron_ext.training.step import build_model, setup_model_and_optimizer, train_step  # noqa: E402
@@ -65,11 +65,11 @@ def main():
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_eps, weight_decay=args.weight_decay)
     nmb = args.global_batch_size // args.micro_batch_size
-    batches = list(entry.train_data_iterator(args, 0))
+    batches = list(lm.train_data_iterator(args, 0))
 
     def run_ours(n):
         for _ in range(n):
-            train_step(entry.forward_step, iter(batches), ours_model, ours_opt, args, nmb)
+            train_step(lm.forward_step, iter(batches), ours_model, ours_opt, args, nmb)
 
     def run_bare(n):
         for _ in range(n):

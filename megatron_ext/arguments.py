@@ -7,10 +7,11 @@ preset's field. `validate_args` checks flag combinations before anything is buil
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Callable, Iterable, Optional
 
-from megatron_ext import platform
+from megatron_ext import gpu, platform
 from megatron_ext.training import stages
 from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset
 
@@ -174,6 +175,22 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser):
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the architecture from the --load checkpoint (e.g. one made by "
                         "tools/convert_checkpoint.py import); other architecture flags still override it")
+    _add_checkpoint_safety_args(g)
+
+
+def _add_checkpoint_safety_args(g):
+    """Resume intent and integrity (issue 11): what to do when flags and checkpoint disagree."""
+    g.add_argument("--load-optional", action="store_true",
+                   help="a --load directory that does not exist means: start from scratch (without this, a "
+                        "missing --load is an error unless it is also --save, the usual resumable-job setup)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, take the learning-rate schedule (--lr, --min-lr, --lr-*) from the flags "
+                        "instead of the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's learning-rate schedule even where the flags differ")
+    g.add_argument("--skip-checkpoint-checksums", action="store_true",
+                   help="on load, check only the sizes of the checkpoint's files, not their CRC-32 (saves reading "
+                        "the whole checkpoint once, e.g. for very large checkpoints on trusted storage)")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser):
@@ -191,11 +208,24 @@ class _Parser(argparse.ArgumentParser):
         return arg_line.split("#", 1)[0].split()
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help`: the description keeps its line breaks (the usage examples), and a flag's default is shown only
+    when there is one (not None/False) and its help does not already say it (e.g. "from --model")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "(default:" in text or not action.option_strings or default is None
+                or default is False or default == argparse.SUPPRESS or default == []):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser(description: str = "", extra: Iterable[Callable[[argparse.ArgumentParser], None]] = ()):
     parser = _Parser(description=description, allow_abbrev=False, fromfile_prefix_chars="@",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                     formatter_class=HelpFormatter)
     for add in (_add_model_args, _add_parallel_args, _add_precision_args, _add_training_args,
-                _add_checkpoint_args, _add_logging_args, _add_data_args, *extra):
+                _add_checkpoint_args, _add_logging_args, _add_data_args, gpu.add_gpu_args, *extra):
         add(parser)
     return parser
 
@@ -230,12 +260,17 @@ def parse_args(argv: Optional[list[str]] = None, description: str = "", extra=()
 
 def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
                   base_arch: Optional[ModelPreset] = None) -> argparse.Namespace:
+    _validate_ranges(args)
     if getattr(args, "use_checkpoint_args", False) and base_arch is None:
         if not args.load:
             _fail("--use-checkpoint-args needs --load DIR")
-        from megatron_ext.training.checkpointing import checkpoint_arch
+        from megatron_ext.training.checkpointing import CheckpointError, checkpoint_arch
 
-        base_arch = checkpoint_arch(args.load)
+        _validate_load_dir(args)
+        try:
+            base_arch = checkpoint_arch(args.load)
+        except CheckpointError as e:
+            _fail(str(e))
     try:
         previous = stages.prepare(args)  # extend/sft: the previous stage's checkpoint and architecture
         args.stage_previous_arch = previous
@@ -294,8 +329,34 @@ def _validate_training(args: argparse.Namespace):
             _fail(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.finetune and not args.load:
         _fail("--finetune needs --load DIR (the weights to start from)")
+    _validate_load_dir(args)
     if args.max_skipped < 1:
         _fail(f"--max-skipped must be >= 1, got {args.max_skipped}")
+
+
+def _validate_ranges(args: argparse.Namespace):
+    """Values that would otherwise fail deep inside (ZeroDivisionError, a misleading --min-lr message)."""
+    for flag in ("lr", "min_lr", "lr_warmup_init", "weight_decay"):
+        value = getattr(args, flag)
+        if not math.isfinite(value) or value < 0:
+            _fail(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    for flag in ("micro_batch_size", "global_batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "override_opt_param_scheduler", False) and \
+            getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        _fail("--override-opt_param-scheduler (use the flags) and --use-checkpoint-opt_param-scheduler (use the "
+              "checkpoint) exclude each other; pick one")
+
+
+def _validate_load_dir(args: argparse.Namespace):
+    """A --load that does not exist is a typo more often than a first run: refuse it unless the intent is clear."""
+    if args.load and not os.path.isdir(args.load) and not getattr(args, "load_optional", False) and \
+            not getattr(args, "dry_run", False) and not (args.save and os.path.abspath(args.save) == os.path.abspath(args.load)):
+        what = "is not a directory" if os.path.exists(args.load) else "does not exist"
+        _fail(f"--load {args.load} {what}: check the path, or pass --load-optional to start from scratch when "
+              "it is missing (a --load that equals --save may be missing on a job's first run)")
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -312,6 +373,14 @@ def validate_args(args: argparse.Namespace):
     ep, etp, cp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.context_parallel_size
     world = args.world_size
     arch: ModelPreset = args.arch
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--vocab-size", "--seq-length",
+                 "--max-position-embeddings"):
+        value = getattr(arch, _ARCH_FLAGS[flag][0])
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    # A dry run has no launcher: the number of ranks the flags are meant for comes from WORLD_SIZE.
+    ranks = ("the number of ranks (a --dry-run reads it from WORLD_SIZE, e.g. WORLD_SIZE=512)"
+             if getattr(args, "dry_run", False) and "WORLD_SIZE" not in os.environ else "the number of ranks")
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp),
                         ("--context-parallel-size", cp)):
@@ -320,11 +389,11 @@ def validate_args(args: argparse.Namespace):
     if world % (tp * pp * cp):
         _fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
               f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
-              "change the parallel sizes or the number of ranks")
+              f"change the parallel sizes or {ranks}")
     if world % (ep * etp * pp):
         _fail(f"world size {world} is not divisible by --expert-model-parallel-size {ep} x "
               f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
-              "change the expert-parallel sizes or the number of ranks")
+              f"change the expert-parallel sizes or {ranks}")
     if cp > 1:
         if arch.seq_length % (2 * cp):
             _fail(f"--seq-length {arch.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
@@ -343,8 +412,11 @@ def validate_args(args: argparse.Namespace):
     if arch.num_attention_heads % tp:
         _fail(f"--num-attention-heads {arch.num_attention_heads} is not divisible by "
               f"--tensor-model-parallel-size {tp}; pick a TP size that divides the head count")
-    if arch.num_layers % pp:
-        _fail(f"--num-layers {arch.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    try:
+        gpu.pipeline_layers(arch.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                            args.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        _fail(str(e))
     if args.sequence_parallel and arch.seq_length % (tp * cp):
         _fail(f"--seq-length {arch.seq_length} must be divisible by --tensor-model-parallel-size {tp}"
               + (f" x --context-parallel-size {cp}" if cp > 1 else "") + " under --sequence-parallel")
@@ -373,6 +445,7 @@ def validate_args(args: argparse.Namespace):
     if args.transformer_impl == "transformer_engine" and not platform.te_available():
         _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
               "--transformer-impl local")
+    gpu.validate_gpu_args(args, _fail)
     if arch.seq_length > arch.max_position_embeddings:
         _fail(f"--seq-length {arch.seq_length} exceeds --max-position-embeddings {arch.max_position_embeddings}")
 

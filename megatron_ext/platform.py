@@ -1,8 +1,11 @@
 """Device and backend choice, and the one place that adapts Megatron-Core to a machine without CUDA.
 
 Megatron-Core 0.16.1 assumes CUDA, Transformer Engine and NCCL in a handful of places (DESIGN.md section 4).
-On a GPU node none of this module's bridges are installed and Megatron-Core runs untouched. Without CUDA,
-`install()` bridges each gap so that the very same model, schedules and optimizer run on the CPU with gloo:
+Each bridge is keyed on what is missing, on its own: a GPU node with Transformer Engine and apex gets none and
+runs Megatron-Core untouched; a GPU node without Transformer Engine gets only the TE bridge (Megatron-Core's
+router otherwise calls an undefined `te_general_gemm`) and one line naming the fast paths that are off; without
+CUDA (or with MEGATRON_EXT_FORCE_CPU=1, which makes an installed TE/apex count as missing too) `install()`
+bridges every gap so that the very same model, schedules and optimizer run on the CPU with gloo:
 
 * `torch.cuda` entry points that Megatron-Core calls unconditionally get CPU stand-ins (current device,
   streams, events, synchronisation, RNG state, memory statistics);
@@ -42,9 +45,45 @@ def bridge_needed() -> bool:
     return not cuda_available()
 
 
+def te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def apex_installed() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
 def te_available() -> bool:
-    """Whether Transformer Engine can be used; only with CUDA (TE does not run on a CPU)."""
-    return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
+    """Whether Transformer Engine can be used: installed, and a GPU in use (TE does not run on a CPU, nor under
+    MEGATRON_EXT_FORCE_CPU)."""
+    return not bridge_needed() and te_installed()
+
+
+def fused_optimizer_available() -> bool:
+    """Whether Megatron-Core's fused Adam (TE's, else apex's) can run; otherwise torch's AdamW steps."""
+    return not bridge_needed() and (te_installed() or apex_installed())
+
+
+def needed_bridges(cuda: bool, te: bool, apex: bool) -> list[str]:
+    """Which bridges a process needs, from what it has: "cuda" (no usable GPU: torch.cuda stand-ins, the device
+    mode, gloo's all-to-all), "te" (TE-only branches off), "torch_optimizer" (torch's Adam behind the
+    distributed optimizer). `cuda` False also counts TE and apex as missing: neither runs on host tensors."""
+    te, apex = te and cuda, apex and cuda
+    return [name for name, missing in (("cuda", not cuda), ("te", not te), ("torch_optimizer", not (te or apex)))
+            if missing]
+
+
+def fast_paths_off(te: bool, apex: bool) -> list[str]:
+    """What a GPU process runs without, given which of Transformer Engine and apex it has."""
+    off = []
+    if not te:
+        off += ["FP8 (--fp8-format)", "--transformer-impl transformer_engine (fused attention, fused norm+linear)",
+                "context parallelism through TE attention (the local all-gather path is used)",
+                "TE grouped-GEMM experts (--moe-grouped-gemm)", "fused MoE router/permute kernels",
+                "TE gradient-accumulation fusion"]
+    if not (te or apex):
+        off.append("fused Adam (torch's AdamW steps)")
+    return off
 
 
 def device() -> torch.device:
@@ -200,18 +239,51 @@ def _patch_torch_cuda():
 
 def _patch_megatron_core():
     from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import multi_latent_attention as mla
-    from megatron.core.transformer.moe import moe_utils
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
-    _patch_distributed_optimizer_step_state()
 
-    # Both modules guard TE-only code with a flag that is set although TE is absent (its classes are mocks).
+def _bridge_missing_te():
+    """Transformer Engine absent (or unusable without CUDA): switch off the TE-only branches Megatron-Core takes
+    anyway. Both modules guard them with a flag that is set although TE is absent (its classes are mocks), or
+    reference a name (`te_general_gemm`) that only exists with TE."""
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.moe import moe_utils
+
     mla.HAVE_TE = False
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    moe_utils.HAVE_TE = False  # TE installed but unusable (forced CPU): its fused kernels want CUDA tensors
+    moe_utils.te_general_gemm = None
+    # Selective recomputation (`CheckpointWithoutOutput`, constructed with fp8=False, takes that for FP8 on) enters
+    # TE's FP8 and recompute contexts, which are only imported with TE: without TE there is no FP8 to track.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not te_available():
+        mrandom.FP8GlobalStateManager = _NoFP8
+        mrandom.activation_recompute_forward = lambda activation_recompute=False, recompute_phase=False: \
+            contextlib.nullcontext()
+        mrandom.fp8_autocast = lambda enabled=False, fp8_recipe=None, **kwargs: contextlib.nullcontext()
+
+
+class _NoFP8:
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
+def _bridge_torch_optimizer():
+    """No fused Adam usable (no TE/apex, or no CUDA for them): torch's, as Megatron-Core picks without either."""
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # installed but unusable on host tensors (MEGATRON_EXT_FORCE_CPU)
+        mopt.Adam, mopt.SGD = torch.optim.AdamW, torch.optim.SGD
+        distrib_optimizer.Adam, distrib_optimizer.HAVE_APEX_OR_TE = torch.optim.Adam, False
+    _patch_distributed_optimizer_step_state()
 
 
 def _patch_distributed_optimizer_step_state():
@@ -259,18 +331,30 @@ def _patch_gloo_all_to_all():
 
 
 def install() -> bool:
-    """Bridge Megatron-Core to the CPU when CUDA is absent. Returns whether bridges are active.
-
-    Safe to call any number of times; with CUDA present it does nothing at all.
+    """Bridge Megatron-Core to what this process lacks (see `needed_bridges`). Returns whether the CUDA->CPU
+    bridges are active. Safe to call any number of times; with CUDA, TE and apex present it does nothing at all.
     """
     global _INSTALLED, _MODE
     if _INSTALLED:
         return _MODE is not None
     _INSTALLED = True
-    if not bridge_needed():
+    cuda = not bridge_needed()
+    bridges = needed_bridges(cuda, te_installed(), apex_installed())
+    if not bridges:
         return False
     import megatron.core  # noqa: F401  (torch._dynamo indexes torch.cuda on first import; let it see the originals)
 
+    if "te" in bridges:
+        _bridge_missing_te()
+    if "torch_optimizer" in bridges:
+        _bridge_torch_optimizer()
+    if cuda:
+        if os.environ.get("RANK", "0") == "0":
+            off = fast_paths_off(te_installed(), apex_installed())
+            print("megatron_ext: CUDA without " + " and ".join(
+                n for n, have in (("Transformer Engine", te_installed()), ("apex", apex_installed())) if not have)
+                + "; fast paths off: " + "; ".join(off) + " (pip install -e .[gpu] to get them)", flush=True)
+        return False
     _patch_torch_cuda()
     _patch_gloo_all_to_all()
     if os.environ.get("MEGATRON_EXT_CPU_COMPILE") != "1":

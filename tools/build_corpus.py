@@ -44,10 +44,12 @@ def main(argv=None) -> int:
     extensions = [e if e.startswith(".") else "." + e for e in args.extensions]
     stats = build_corpus(roots, args.output, extensions, args.exclude, args.min_bytes, args.max_bytes,
                          args.max_files)
-    print(f"{args.output}: " + "\n  ".join(stats.lines()))
     if stats.written == 0:
-        print("error: no files matched; check --input and --extensions", file=sys.stderr)
+        print(f"error: no files matched; check --input and --extensions ({args.output} was not written"
+              + (", the existing file is unchanged)" if os.path.exists(args.output) else ")"), file=sys.stderr)
+        print("  " + "\n  ".join(stats.lines()), file=sys.stderr)
         return 1
+    print(f"{args.output}: " + "\n  ".join(stats.lines()))
     return 0
 
 

@@ -13,6 +13,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.atomic import Discard, atomic_output  # noqa: E402
+
 
 def conversations(text: str, path: str, max_chars: int):
     """(user, assistant) pairs for the documented top-level functions of one Python source file."""
@@ -49,26 +53,31 @@ def main(argv=None) -> int:
     if not os.path.exists(args.input):
         print(f"error: --input {args.input} does not exist", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    count = 0
-    with open(args.input, encoding="utf-8") as f, open(args.output + ".tmp", "w", encoding="utf-8") as out:
+    count, problem = 0, None
+    with open(args.input, encoding="utf-8") as f, atomic_output(args.output) as out:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                print(f"error: {args.input}:{number}: not JSON ({e})", file=sys.stderr)
-                return 1
+                problem = f"{args.input}:{number}: not JSON ({e})"
+                raise Discard
             if not record.get("path", "").endswith(".py"):
                 continue
             for user, assistant in conversations(record["text"], record["path"], args.max_chars):
                 out.write(json.dumps({"messages": [{"role": "user", "content": user},
                                                    {"role": "assistant", "content": assistant}]}) + "\n")
                 count += 1
-    os.replace(args.output + ".tmp", args.output)
+        if count == 0:
+            problem = (f"{args.input} gave no conversations (no documented top-level Python functions of at most "
+                       f"--max-chars {args.max_chars} characters)")
+            raise Discard
+    if problem:
+        print(f"error: {problem}; {args.output} was not written", file=sys.stderr)
+        return 1
     print(f"{count} conversations -> {args.output}")
-    return 0 if count else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tokenise a JSONL corpus into a Megatron indexed dataset (.bin/.idx) for --data-path.
+r"""Tokenise a JSONL corpus into a Megatron indexed dataset (.bin/.idx) for --data-path.
 
     python tools/preprocess_data.py --input data/stdlib.jsonl --output-prefix data/stdlib \
         --tokenizer-type HFTokenizer --tokenizer-model data/tokenizer --workers 2 --append-eod
@@ -6,7 +6,9 @@
 writes data/stdlib_text_document.bin/.idx (one per --json-keys; _sentence instead of _document with
 --split-sentences, which trains nltk's Punkt on the input and caches it as PREFIX_punkt.json). Malformed lines stop
 the run with their line numbers (--on-error fail) or are counted and reported (--on-error skip); a failed run
-leaves no partial output.
+leaves no partial output, and an input without documents is an error naming the file. Documents longer than
+--max-encode-chars are tokenised in pieces cut where the pre-tokeniser splits anyway (same ids; memory stays
+bounded: a 50 MB one-line document no longer needs ~10 GB).
 """
 
 import argparse
@@ -18,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
 
 from megatron_ext.data.indexed import DataError  # noqa: E402
-from megatron_ext.data.preprocess import PreprocessConfig, preprocess, summary  # noqa: E402
+from megatron_ext.data.preprocess import MAX_ENCODE_CHARS, PreprocessConfig, preprocess, summary  # noqa: E402
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES, TokenizerError  # noqa: E402
 
 
@@ -37,11 +39,16 @@ def main(argv=None) -> int:
                         help="one sequence per sentence (nltk Punkt trained on this input, no download)")
     parser.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                         help="malformed lines: stop with their line number, or skip and report them")
+    parser.add_argument("--max-encode-chars", type=int, default=MAX_ENCODE_CHARS,
+                        help="longest text given to the tokenizer at once; longer documents are encoded in pieces")
     args = parser.parse_args(argv)
+    if args.max_encode_chars < 1024:
+        print(f"error: --max-encode-chars must be >= 1024, got {args.max_encode_chars}", file=sys.stderr)
+        return 2
     cfg = PreprocessConfig(input=args.input, output_prefix=args.output_prefix, tokenizer_model=args.tokenizer_model,
                            tokenizer_type=args.tokenizer_type, json_keys=tuple(args.json_keys), workers=args.workers,
                            append_eod=args.append_eod, split_sentences=args.split_sentences,
-                           on_error=args.on_error)
+                           on_error=args.on_error, max_encode_chars=args.max_encode_chars)
     try:
         result = preprocess(cfg)
     except (DataError, TokenizerError, ValueError) as e:

@@ -1,14 +1,19 @@
-"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
+r"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) over an OpenAI-compatible API.
 
     python tools/serve.py --load CKPT --use-checkpoint-args --port 8000 [--tokenizer-model DIR]
-    python tools/serve.py --hf-dir /data/Kimi-K2.5 --port 8000        # imported on the fly into --save or a temp dir
+    python tools/serve.py --hf-dir /data/Kimi-K2.5 --save /data/k25-mg --port 8000    # imported once, then reused
+    python tools/serve.py --hf-dir /data/Kimi-K2.5 --port 8000    # imported into a temporary directory, removed on exit
     torchrun --nproc-per-node 2 tools/serve.py --load CKPT --use-checkpoint-args --tensor-model-parallel-size 2 \
         --sequence-parallel                # rank 0 serves HTTP; every rank holds its shard and generates with it
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
+    curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "n": 4, "stream": true}'   # SSE chunks
+    curl localhost:8000/v1/reload -d '{"load": "NEW_CKPT"}'  # validated; on failure the old weights keep serving
 """
 
 import argparse
 import os
+import shutil
+import signal
 import sys
 import tempfile
 
@@ -16,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_ext  # noqa: E402,F401
 from megatron_ext.arguments import ArgumentError, parse_args  # noqa: E402
+from megatron_ext.convert.hf import ConversionError  # noqa: E402
+from megatron_ext.training.checkpointing import CheckpointError  # noqa: E402
 
 
 def _serve_args(parser: argparse.ArgumentParser):
@@ -26,10 +33,53 @@ def _serve_args(parser: argparse.ArgumentParser):
     g.add_argument("--served-model-name", default=None, help="the name /v1/models reports")
 
 
+def prepare_hf_checkpoint(hf_dir: str, save: str | None, log=print):
+    """Import `hf_dir` for serving. Returns (checkpoint root, cleanup function or None).
+
+    With `save` the import goes there and is reused by later starts while `hf_dir` is unchanged (same config,
+    file names, sizes and times); a `save` holding anything else is refused. Without it the import goes to a
+    temporary directory ($TMPDIR) that the cleanup function removes (main() runs it on exit, on errors and on
+    SIGTERM/SIGINT)."""
+    from megatron_ext.convert.streaming import imported_from, import_hf, source_fingerprint
+    from megatron_ext.training.initialize import destroy
+
+    if save:
+        common = imported_from(save)
+        if common is not None:
+            if common.get("source_fingerprint") == source_fingerprint(hf_dir):
+                log(f"reusing the import of {hf_dir} in {save}")
+                return save, None
+            raise ConversionError(f"--save {save} holds an import of {common.get('converted_from')} that does not "
+                                  f"match --hf-dir {hf_dir} (another model, or changed since): choose another "
+                                  f"--save, or remove {os.path.join(save, 'release')} to import again")
+        import_hf(hf_dir, save)
+        destroy()
+        return save, None
+    target = tempfile.mkdtemp(prefix="serve_import_")
+    log(f"importing {hf_dir} into {target} (removed on exit; pass --save DIR to keep the import and reuse it)")
+
+    def cleanup():
+        shutil.rmtree(target, ignore_errors=True)
+
+    try:
+        import_hf(hf_dir, target)
+        destroy()
+    except BaseException:
+        cleanup()
+        raise
+    return target, cleanup
+
+
+def _exit_on_signal(signum, frame):
+    """SIGTERM/SIGINT before serving starts (import, model build): unwind, so that cleanups run."""
+    raise SystemExit(128 + signum)
+
+
 def build_service(args):
     from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.inference.reload import CheckpointReload
     from megatron_ext.inference.server import ModelParallelServing, ModelService
-    from megatron_ext.training.checkpointing import load_checkpoint, load_weights
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.training.initialize import initialize_distributed
     from megatron_ext.training.step import build_model
 
@@ -38,9 +88,6 @@ def build_service(args):
     if args.load:
         load_checkpoint(args, model, None, None)
 
-    def reload(path: str):
-        load_weights(args, model, path)
-
     tokenizer = None
     if args.tokenizer_model:
         from megatron_ext.data.tokenizers import build_tokenizer
@@ -48,7 +95,7 @@ def build_service(args):
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     peers = ModelParallelServing() if ModelParallelServing.needed() else None
     return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
-                        reload=reload, peers=peers)
+                        reload=CheckpointReload(args, model[0], log=print), peers=peers)
 
 
 def main(argv=None) -> int:
@@ -61,22 +108,31 @@ def main(argv=None) -> int:
         print("error: --hf-dir imports on one process; under torchrun convert first (tools/convert_checkpoint.py "
               "import --hf-dir HF --save CKPT) and serve with --load CKPT --use-checkpoint-args", file=sys.stderr)
         return 2
-    if known.hf_dir:
-        from megatron_ext.convert.streaming import import_hf
-        from megatron_ext.training.initialize import destroy
+    cleanup = None
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if known.hf_dir:
+            try:
+                target, cleanup = prepare_hf_checkpoint(known.hf_dir, known.save)
+            except (ConversionError, CheckpointError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            argv += ["--load", target, "--use-checkpoint-args"]
+        return _serve(argv)
+    finally:
+        if cleanup is not None:
+            cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
-        target = known.save or tempfile.mkdtemp(prefix="serve_import_")
-        import_hf(known.hf_dir, target)
-        destroy()
-        argv += ["--load", target, "--use-checkpoint-args"]
+
+def _serve(argv: list) -> int:
     try:
         args = parse_args(argv + ["--mock-data"], description=__doc__, extra=(_serve_args,))
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.finetune = True  # serving needs weights only
-    import signal
-
     import torch.distributed as dist
 
     from megatron_ext.inference.server import serve

@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.input):
         print(f"error: --input {args.input} does not exist", file=sys.stderr)
         return 2
+    stale = os.path.join(args.output, "tiktoken.model")
+    if not args.tiktoken and os.path.exists(stale):
+        print(f"error: {stale} is left from an earlier run and would disagree with the new tokenizer.json; add "
+              "--tiktoken to rewrite it, remove it, or choose another --output", file=sys.stderr)
+        return 2
     bad: list[int] = []
     t0 = time.perf_counter()
     try:

@@ -28,13 +28,23 @@ class ConversionError(ValueError):
     """Bad conversion input; the message names the tensor and/or file."""
 
 
+def read_json(path: str):
+    """A JSON file's content; invalid JSON is reported with the file's name and the position."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+
+
 def read_config(hf_dir: str) -> tuple[dict, dict]:
     """(full config.json, text-backbone config) with the model type checked."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         raise ConversionError(f"{path} not found: --hf-dir must hold a Hugging Face checkpoint")
-    with open(path) as f:
-        full = json.load(f)
+    full = read_json(path)
+    if not isinstance(full, dict):
+        raise ConversionError(f"{path}: expected a JSON object, found {type(full).__name__}")
     model_type = full.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ConversionError(f"{path}: model_type {model_type!r} is not supported; expected one of {MODEL_TYPES}")
@@ -154,8 +164,10 @@ class ShardedCheckpoint:
         ckpt = cls(hf_dir)
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            content = read_json(index)
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
             missing = sorted({fn for fn in weight_map.values() if not os.path.exists(os.path.join(hf_dir, fn))})
             if missing:
                 example = next(k for k, v in weight_map.items() if v == missing[0])

@@ -9,6 +9,7 @@ Export reads chunks back with `dist_checkpointing.load` one output shard at a ti
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -18,6 +19,7 @@ import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from tqdm import tqdm
 
+from megatron_ext import atomic
 from megatron_ext.arguments import parse_args
 from megatron_ext.convert.hf import ConversionError, ShardedCheckpoint, config_from_preset, preset_from_config, read_config
 from megatron_ext.convert.mapping import MTP_DUPLICATES, HFLayout, Piece, enumerate_pieces
@@ -53,7 +56,9 @@ def peak_rss_mib() -> float:
 
 
 def _meta_model(arch: ModelPreset, extra_flags=()):
-    args = parse_args(["--model", "tiny", "--mock-data", *extra_flags], world_size=1, base_arch=arch)
+    # The local spec whatever the machine: its checkpoint keys are TE's (models/te_layout.py), its names ours.
+    args = parse_args(["--model", "tiny", "--mock-data", "--transformer-impl", "local", *extra_flags], world_size=1,
+                      base_arch=arch)
     initialize_distributed(args)
     with torch.device("meta"):
         model = model_provider(args)
@@ -82,8 +87,57 @@ class _LazyPlanner(SavePlanner):
         return self.resolve(write_item)
 
 
-def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> dict:
-    """Convert a HF checkpoint under `hf_dir` into `save/release`. Returns a summary with the peak RSS."""
+def source_fingerprint(hf_dir: str, dtype: str | None = None, no_mtp: bool = False) -> str:
+    """Identifies an import's input without reading the weights: config.json's bytes, every file's name, size and
+    modification time, and the options that change the output."""
+    digest = hashlib.sha256()
+    with open(os.path.join(hf_dir, "config.json"), "rb") as f:
+        digest.update(f.read())
+    for name in sorted(os.listdir(hf_dir)):
+        st = os.stat(os.path.join(hf_dir, name))
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    digest.update(f"dtype={dtype} no_mtp={no_mtp}".encode())
+    return digest.hexdigest()
+
+
+def imported_from(save: str) -> dict | None:
+    """The common state of the complete imported checkpoint `save/release` (None: there is none)."""
+    if checkpointing.read_tracker(save) != RELEASE:
+        return None
+    ckpt = checkpointing.checkpoint_dir(save, RELEASE)
+    checkpointing.verify_checkpoint(ckpt)
+    return torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+
+
+def _check_import_target(save: str, overwrite: bool, log):
+    """Refuse to repoint a directory's tracker away from what it holds unless told to (`overwrite`)."""
+    try:
+        tag = checkpointing.read_tracker(save)
+    except checkpointing.CheckpointError as e:
+        raise ConversionError(f"--save {save}: {e}") from None
+    if tag is None:
+        return
+    if tag == RELEASE:
+        what = f"an imported checkpoint ({checkpointing.checkpoint_dir(save, RELEASE)})"
+    else:
+        what = (f"training checkpoints (latest: iteration {tag}); importing would point "
+                f"{checkpointing.TRACKER} at the import, so --load {save} would no longer resume training")
+    if not overwrite:
+        raise ConversionError(f"--save {save} already holds {what}: choose an empty directory, or pass "
+                              "--overwrite to replace the import there")
+    log(f"--overwrite: {save} holds {what}; the import replaces {RELEASE}/ and becomes the latest"
+        + ("" if tag == RELEASE else " (the iter_* directories are kept)"))
+
+
+def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = False, overwrite: bool = False,
+              log=print) -> dict:
+    """Convert a HF checkpoint under `hf_dir` into `save/release`. Returns a summary with the peak RSS.
+
+    MTP layers (DeepSeek-V3's extra decoder layers after the last one) are converted when their tensors are
+    present; a checkpoint saved by `transformers` keeps num_nextn_predict_layers in config.json but holds no MTP
+    tensors, and imports without them. `no_mtp` skips present ones. A NaN or Inf weight stops the import, naming
+    the tensor. `save` must not already hold a checkpoint unless `overwrite`."""
+    _check_import_target(save, overwrite, log)
     full, text = read_config(hf_dir)
     model_type = full["model_type"]
     arch = preset_from_config(text, os.path.join(hf_dir, "config.json"))
@@ -92,6 +146,17 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
     skipped = sorted(n for n in ckpt.files if n.startswith(_VISION_PREFIXES))
     if skipped:
         log(f"skipping {len(skipped)} vision-tower / projector tensors (the text backbone is converted)")
+    mtp_prefixes = tuple(f"{layout.root}layers.{arch.num_layers + k}." for k in range(arch.mtp_num_layers))
+    mtp_present = sorted(n for n in ckpt.files if mtp_prefixes and n.startswith(mtp_prefixes))
+    if arch.mtp_num_layers and (no_mtp or not mtp_present):
+        if mtp_present:
+            log(f"--no-mtp: skipping the {arch.mtp_num_layers} MTP layer(s) ({len(mtp_present)} tensors)")
+            skipped += mtp_present
+        else:
+            log(f"config.json declares {arch.mtp_num_layers} MTP layer(s) (num_nextn_predict_layers) but "
+                f"{hf_dir} holds none of their tensors (transformers' save_pretrained drops them): importing "
+                "without MTP layers")
+        arch = arch.replace(mtp_num_layers=0)
     args, model = _meta_model(arch)
     pieces, objects = enumerate_pieces(model, layout)
     if arch.mtp_num_layers:
@@ -140,7 +205,16 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
     shards = tqdm(total=len(ckpt.shard_names), desc="shards", unit="shard", disable=None)
     seen_files = set()
 
+    failures: list[ConversionError] = []
+
     def resolve(item: WriteItem):
+        try:
+            return _resolve(item)
+        except ConversionError as e:  # torch wraps it in a CheckpointException with a remote-style traceback
+            failures.append(e)
+            raise
+
+    def _resolve(item: WriteItem):
         if item.type == WriteItemType.BYTE_IO:
             return blobs[item.index.fqn]
         p, piece_dtype = sources[(item.index.fqn, tuple(item.index.offset))]
@@ -149,6 +223,10 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
             seen_files.add(filename)
             shards.update(1)
         value = ckpt.weight(p.hf_name, piece_dtype)
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ConversionError(f"tensor {p.hf_name} in {os.path.join(hf_dir, filename)} has {bad} NaN/Inf "
+                                  f"value(s) of {value.numel()}: the source checkpoint is corrupt")
         value = _pad_vocab(value, p)
         return value.reshape(p.shape).contiguous()
 
@@ -160,11 +238,18 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
         # One file per chunk: torch's writer keeps every tensor of a file alive until the file is complete, so a
         # single file would hold the whole model in memory.
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
-        dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        writer.fs = checkpointing.checksum_file_system()  # the manifest's CRC-32s come from the bytes written
+        try:
+            dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        except (Exception, CheckpointException):  # CheckpointException is a BaseException
+            if failures:
+                raise failures[0] from None
+            raise
         common = {"iteration": 0, "format_version": checkpointing.FORMAT_VERSION, "release": True,
                   "args": {**checkpointing._serializable_args(args), "no_save_optim": True},
                   "layout": {}, "optimizer_parts": 0, "opt_param_scheduler": None,
-                  "converted_from": os.path.abspath(hf_dir)}
+                  "converted_from": os.path.abspath(hf_dir),
+                  "source_fingerprint": source_fingerprint(hf_dir, dtype, no_mtp)}
         torch.save(common, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -177,6 +262,7 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, log=print) -> di
         shards.close()
         ckpt.close()
     summary = {"tensors": len(pieces), "dtype": str(target_dtype), "peak_rss_mib": peak_rss_mib(),
+               "mtp_layers": arch.mtp_num_layers,
                "largest_shard_mib": max(os.path.getsize(os.path.join(hf_dir, f)) for f in ckpt.shard_names) / 2**20}
     log(f"imported {len(pieces)} tensors into {final} ({target_dtype}); peak RSS {summary['peak_rss_mib']:.1f} MiB")
     return summary
@@ -205,13 +291,25 @@ def _pad_vocab(value: torch.Tensor, p: Piece) -> torch.Tensor:
 
 
 def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = None,
-              max_shard_bytes: int = 4 << 30, log=print) -> dict:
-    """Write the Megatron checkpoint under `load` (its latest, any layout) as HF safetensors shards."""
+              max_shard_bytes: int = 4 << 30, overwrite: bool = False, checksums: bool = True, log=print) -> dict:
+    """Write the Megatron checkpoint under `load` (its latest, any layout) as HF safetensors shards.
+
+    The files are written into a fresh staging directory and moved into `hf_dir` only when all are complete.
+    A non-empty `hf_dir` is refused unless `overwrite`, and even then only the files of this export (shards, index,
+    config.json) are replaced; nothing else in `hf_dir` is touched."""
+    try:
+        existing = atomic.existing_entries(hf_dir)
+    except NotADirectoryError as e:
+        raise ConversionError(f"--hf-dir: {e}") from None
+    if existing and not overwrite:
+        shown = ", ".join(existing[:5]) + (f" and {len(existing) - 5} more" if len(existing) > 5 else "")
+        raise ConversionError(f"--hf-dir {hf_dir} is not empty ({shown}): choose a new directory, or pass "
+                              "--overwrite to replace the files this export writes (other files are kept)")
     tag = checkpointing.read_tracker(load)
     if tag is None:
         raise ConversionError(f"no checkpoint under {load} ({checkpointing.TRACKER} missing)")
     ckpt_dir = checkpointing.checkpoint_dir(load, tag)
-    checkpointing.verify_checkpoint(ckpt_dir)
+    checkpointing.verify_checkpoint(ckpt_dir, checksums=checksums)
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     arch = ModelPreset(**common["args"]["arch"])
     if mtp and not arch.mtp_num_layers:
@@ -234,9 +332,7 @@ def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = Non
     if current:
         groups.append(current)
 
-    tmp = hf_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = atomic.staging_dir(hf_dir)
     weight_map, total = {}, 0
     try:
         for i, group in enumerate(tqdm(groups, desc="shards", unit="shard", disable=None)):
@@ -262,12 +358,13 @@ def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = Non
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config_from_preset(arch, out_dtype or pieces[0].dtype, mtp), f, indent=1)
-        if os.path.exists(hf_dir):
-            shutil.rmtree(hf_dir)
-        os.replace(tmp, hf_dir)
+        written = atomic.publish_dir(tmp, hf_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        atomic.remove_staging(tmp)
         raise
+    kept = sorted(set(existing) - set(written))
+    if kept:
+        log(f"kept {len(kept)} other entries of {hf_dir} as they were (e.g. {', '.join(kept[:3])})")
     summary = {"tensors": len(weight_map), "shards": len(groups), "peak_rss_mib": peak_rss_mib()}
     log(f"exported {len(weight_map)} tensors in {len(groups)} shard(s) to {hf_dir}; peak RSS "
         f"{summary['peak_rss_mib']:.1f} MiB")

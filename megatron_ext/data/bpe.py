@@ -13,6 +13,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from megatron_ext import atomic
 from megatron_ext.data.tokenizers import CHAT_SPECIAL_TOKENS, KIMI_PATTERN, ROLE_DEFAULTS
 
 
@@ -41,8 +42,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
 
 
 def save(tok, out_dir: str, tiktoken: bool = False, roles: dict | None = None) -> dict:
-    """Write tokenizer.json and tokenizer_config.json (and tiktoken.model); returns the config written."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write tokenizer.json and tokenizer_config.json (and tiktoken.model); returns the config written.
+
+    The files are staged and moved into `out_dir` together once all are written; other files there stay."""
+    staging = atomic.staging_dir(out_dir)
+    try:
+        config = _write(tok, staging, tiktoken, roles)
+        atomic.publish_dir(staging, out_dir)
+    except BaseException:
+        atomic.remove_staging(staging)
+        raise
+    return config
+
+
+def _write(tok, out_dir: str, tiktoken: bool, roles: dict | None) -> dict:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     added = tok.get_added_tokens_decoder()
     first_special = min(added) if added else tok.get_vocab_size()

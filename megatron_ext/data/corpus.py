@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from typing import Iterable, Optional, Sequence
 
+from megatron_ext.atomic import Discard, atomic_output
+
 LANGUAGES = {
     ".py": "Python", ".pyi": "Python", ".c": "C", ".h": "C", ".cc": "C++", ".cpp": "C++", ".cxx": "C++",
     ".hpp": "C++", ".cu": "CUDA", ".rs": "Rust", ".go": "Go", ".java": "Java", ".js": "JavaScript",
@@ -186,55 +188,50 @@ def build_corpus(roots: Sequence[str], output: str, extensions: Iterable[str] = 
                  exclude: Sequence[str] = DEFAULT_EXCLUDE, min_bytes: int = 64, max_bytes: int = 1 << 20,
                  max_files: Optional[int] = None) -> CorpusStats:
     """Write one JSON object per kept file: text, path (relative to its root, prefixed with the root's name),
-    language, license hint and content hash. Written to a temporary name and renamed when complete."""
+    language, license hint and content hash. Written to a temporary name and renamed when complete; when no file
+    is kept, `output` is left as it was (stats.written == 0 tells the caller)."""
     stats, hints, seen = CorpusStats(), LicenseHints(), set()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            for root, rel in iter_source_files(roots, extensions, exclude):
-                if max_files is not None and stats.written >= max_files:
-                    break
-                stats.files_seen += 1
-                path = os.path.join(root, rel)
-                try:
-                    size = os.path.getsize(path)
-                except OSError:
-                    stats.not_text += 1
-                    continue
-                if size < min_bytes:
-                    stats.too_small += 1
-                    continue
-                if size > max_bytes:
-                    stats.too_large += 1
-                    continue
-                with open(path, "rb") as f:
-                    raw = f.read()
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    stats.not_text += 1
-                    continue
-                if "\x00" in text:
-                    stats.not_text += 1
-                    continue
-                digest = hashlib.sha256(raw).hexdigest()
-                if digest in seen:
-                    stats.duplicates += 1
-                    continue
-                seen.add(digest)
-                language = LANGUAGES.get(os.path.splitext(rel)[1].lower(), "unknown")
-                license_hint = hints.hint(root, rel, raw[:4096])
-                record = {"text": text, "path": os.path.join(os.path.basename(root), rel), "language": language,
-                          "license": license_hint, "sha256": digest}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                stats.written += 1
-                stats.bytes_written += len(raw)
-                stats.languages[language] += 1
-                stats.licenses[license_hint] += 1
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_output(output) as out:
+        for root, rel in iter_source_files(roots, extensions, exclude):
+            if max_files is not None and stats.written >= max_files:
+                break
+            stats.files_seen += 1
+            path = os.path.join(root, rel)
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                stats.not_text += 1
+                continue
+            if size < min_bytes:
+                stats.too_small += 1
+                continue
+            if size > max_bytes:
+                stats.too_large += 1
+                continue
+            with open(path, "rb") as f:
+                raw = f.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.not_text += 1
+                continue
+            if "\x00" in text:
+                stats.not_text += 1
+                continue
+            digest = hashlib.sha256(raw).hexdigest()
+            if digest in seen:
+                stats.duplicates += 1
+                continue
+            seen.add(digest)
+            language = LANGUAGES.get(os.path.splitext(rel)[1].lower(), "unknown")
+            license_hint = hints.hint(root, rel, raw[:4096])
+            record = {"text": text, "path": os.path.join(os.path.basename(root), rel), "language": language,
+                      "license": license_hint, "sha256": digest}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            stats.written += 1
+            stats.bytes_written += len(raw)
+            stats.languages[language] += 1
+            stats.licenses[license_hint] += 1
+        if stats.written == 0:
+            raise Discard  # nothing matched: an existing output stays as it was
     return stats

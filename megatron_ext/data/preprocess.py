@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from megatron_ext.data import punkt
@@ -29,6 +30,10 @@ from megatron_ext.data.tokenizers import build_tokenizer, normalize_tokenizer_ty
 _PROGRESS_EVERY_DOCS = 64
 _CHUNK_BYTES = 4 << 20
 _REPORTED_LINES = 10
+# Longest text handed to the tokenizer at once. A fast tokenizer keeps ~1 KB of bookkeeping per token (offsets,
+# token strings, word ids), so a 50 MB one-line document cost ~10 GB; longer texts are encoded in pieces cut at
+# pre-tokenisation boundaries (see `encode_bounded`), which gives the same ids.
+MAX_ENCODE_CHARS = 1 << 20
 
 
 @dataclass
@@ -44,6 +49,7 @@ class PreprocessConfig:
     on_error: str = "fail"  # or "skip"
     punkt_sample_chars: int = punkt.DEFAULT_SAMPLE_CHARS
     chunk_bytes: int = _CHUNK_BYTES
+    max_encode_chars: int = MAX_ENCODE_CHARS
 
 
 @dataclass
@@ -94,6 +100,38 @@ def plan_chunks(path: str, chunk_bytes: int, min_chunks: int) -> list[tuple[int,
             f.seek(start)
             line += f.read(end - start).count(b"\n")
     return chunks
+
+
+def _cut(text: str, start: int, limit: int) -> int:
+    """Where to end the piece that starts at `start`: after a newline followed by a non-space (every GPT-style
+    pre-tokeniser, Kimi's included, ends a pre-token there), else before a space that follows a non-space and
+    starts a word, else (half a `limit` without either, e.g. base64) at `limit` itself."""
+    end = start + limit
+    if end >= len(text):
+        return len(text)
+    low = start + limit // 2
+    pos = end
+    while (pos := text.rfind("\n", low, pos)) >= 0:
+        if not text[pos + 1].isspace():
+            return pos + 1
+    pos = end
+    while (pos := text.rfind(" ", low + 1, pos)) >= 0:
+        if not text[pos - 1].isspace() and text[pos + 1].isalnum():
+            return pos
+    return end
+
+
+def encode_bounded(tok, text: str, limit: int = MAX_ENCODE_CHARS):
+    """tok.encode(text), with the tokenizer never given more than `limit` characters at once (bounded memory).
+    A text longer than `limit` gives an int32 array (4 bytes a token instead of a Python int's ~36)."""
+    if len(text) <= limit:
+        return tok.encode(text)
+    parts, start = [], 0
+    while start < len(text):
+        end = _cut(text, start, limit)
+        parts.append(np.asarray(tok.encode(text[start:end]), dtype=np.int32))
+        start = end
+    return np.concatenate(parts)
 
 
 # ---- worker side ------------------------------------------------------------------------------------------
@@ -167,10 +205,11 @@ def _process_chunk(task) -> dict:
         encoded = []
         for text in texts:
             pieces = punkt.split_sentences(splitter, text) if splitter is not None else [text]
-            seqs = [ids for ids in (tok.encode(p) for p in pieces) if ids]
+            seqs = [ids for ids in (encode_bounded(tok, p, cfg.max_encode_chars) for p in pieces) if len(ids)]
             if cfg.append_eod:
                 if seqs:
-                    seqs[-1].append(tok.eod)
+                    seqs[-1] = np.append(seqs[-1], tok.eod) if isinstance(seqs[-1], np.ndarray) else \
+                        seqs[-1] + [tok.eod]
                 elif text:
                     seqs = [[tok.eod]]
             encoded.append(seqs)
@@ -178,7 +217,10 @@ def _process_chunk(task) -> dict:
             out["empty"] += 1
             continue
         for key, seqs in zip(cfg.json_keys, encoded):
-            flat = [i for seq in seqs for i in seq]
+            if any(isinstance(seq, np.ndarray) for seq in seqs):
+                flat = np.concatenate([np.asarray(seq, dtype=np.int64) for seq in seqs])
+            else:
+                flat = [i for seq in seqs for i in seq]
             builders[key].add_document(flat, [len(seq) for seq in seqs])
             out["tokens"][key] += len(flat)
         out["documents"] += 1
@@ -220,7 +262,11 @@ class Progress:
             self.last_print = now
 
     def finish(self, docs: int, nbytes: int):
-        self.stream.write(("\r" if self.tty else "") + self.line(docs, nbytes) + "\n")
+        """The last progress line, without rates: the run's one throughput figure is summary()'s, which counts
+        the whole run (sentence-splitter training and the merge included)."""
+        share = 100.0 * nbytes / self.total if self.total else 100.0
+        self.stream.write(("\r" if self.tty else "") + f"{self.label}: {docs:,} docs, {nbytes / 1e6:.1f} MB "
+                          f"({share:5.1f}%) tokenised; merging shards\n")
         self.stream.flush()
 
 
@@ -286,6 +332,9 @@ def preprocess(cfg: PreprocessConfig, log=print, progress_stream=None) -> Prepro
                     # imap yields in input order, so this is the first malformed line of the file
                     raise DataError(f"{_describe_bad_lines(cfg, result)}; fix the input or pass --on-error skip")
         progress.finish(counters[0].value, result.input_bytes)
+        if result.documents == 0:
+            raise DataError(f"{cfg.input}: no documents to write ({_contents(result)}); check the file and "
+                            f"--json-keys {' '.join(cfg.json_keys)}")
         for key, prefix in result.outputs.items():
             builder = IndexedDatasetBuilder(get_bin_path(prefix) + ".tmp", dtype=dtype)
             for out in outs:
@@ -305,6 +354,15 @@ def preprocess(cfg: PreprocessConfig, log=print, progress_stream=None) -> Prepro
         shutil.rmtree(shard_dir, ignore_errors=True)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _contents(result: PreprocessResult) -> str:
+    if not result.input_bytes:
+        return "the file is empty"
+    parts = [f"{n} {what}" for n, what in ((result.blank_lines, "blank lines"),
+                                             (result.empty_documents, "documents with empty text"),
+                                             (result.bad_lines, "malformed lines skipped")) if n]
+    return ", ".join(parts) or "nothing usable"
 
 
 def _accumulate(result: PreprocessResult, out: dict):

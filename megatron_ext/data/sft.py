@@ -323,6 +323,7 @@ def packed_batch(batch: dict) -> tuple[dict, Optional[PackedSeqParams]]:
     cu = batch.get("cu_seqlens")
     if cu is None:
         return batch, None
+    cu = cu.cpu()  # host already when it comes through batches.to_device
     b, s = batch["tokens"].shape
     bounds = [0]
     for r in range(b):
@@ -330,8 +331,9 @@ def packed_batch(batch: dict) -> tuple[dict, Optional[PackedSeqParams]]:
         if len(row) < 2 or int(row[0]) != 0 or int(row[-1]) != s:
             raise ValueError(f"row {r}: cu_seqlens must run from 0 to the row length {s}")
         bounds += (row[1:] + r * s).tolist()
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-    max_len = int(torch.diff(cu_seqlens).max())
+    # On the batch's device: Transformer Engine's attention and Megatron-Core's rotary embedding read it there.
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=batch["tokens"].device)
+    max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     flat = {k: v.reshape(1, b * s) for k, v in batch.items() if k != "cu_seqlens"}
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              max_seqlen_q=max_len, max_seqlen_kv=max_len)

@@ -30,6 +30,12 @@ For RL sampling (ENGINE_API in the design notes): per-row sampling parameters an
 finish leave the decode batch; the n samples of a prompt share one prefill (`generate_groups`); the experts of
 every token can be returned in the layout Megatron-Core's RouterReplay consumes; `update_weights` copies the
 trainer's parameters in place and bumps `weights_version`, which tags every generated token.
+
+Both of Megatron-Core's layer specs are served. Under the Transformer Engine spec the MLA q / kv latent norms and
+a dense layer's pre-MLP norm are identity modules: their weights live in the following linear as
+``layer_norm_weight`` (TE's fused norm + linear), and the engine applies them there (`_fused_norm`). Routed
+experts are SequentialMLP's modules or TE's grouped GEMM (``--moe-grouped-gemm``: one ``weight{i}`` per local
+expert in ``experts.linear_fc1`` / ``linear_fc2``); `_expert_weights` reads either.
 """
 
 from __future__ import annotations
@@ -180,11 +186,59 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+def _fused_norm(linear, x: torch.Tensor) -> torch.Tensor:
+    """`x` through the norm Transformer Engine fuses into `linear` (``layer_norm_weight``, RMSNorm with the
+    linear's eps; checked by `_check_fused_norms`); `x` unchanged when the linear has none (local spec: the norm
+    is a module of its own, applied by `_norm`)."""
+    weight = getattr(linear, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    return F.rms_norm(x, (x.size(-1),), weight, linear.eps)
+
+
+def _check_fused_norms(model: torch.nn.Module):
+    """Refuse fused norms the engine would compute differently from the model: LayerNorm (a bias), TE's
+    zero-centred gamma, or a linear that does not say its eps (TE's LayerNormLinear keeps it as ``eps``)."""
+    for name, module in model.named_modules():
+        if getattr(module, "layer_norm_weight", None) is None:
+            continue
+        normalization = getattr(module, "normalization", "RMSNorm")
+        if (normalization != "RMSNorm" or getattr(module, "layer_norm_bias", None) is not None
+                or getattr(module, "zero_centered_gamma", False)):
+            raise ValueError(f"the inference engine applies fused norms as RMSNorm without zero-centred gamma: "
+                             f"{name} is {normalization} (use --normalization RMSNorm and no "
+                             "--apply-layernorm-1p)")
+        if not isinstance(getattr(module, "eps", None), float):
+            raise ValueError(f"{name} ({type(module).__name__}) fuses a norm but has no float `eps`: the "
+                             "inference engine cannot apply its norm")
+
+
+def _swiglu(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
     """SwiGLU on this rank's columns: fc1 holds [gate | up] of this rank's slice, the result is a partial sum
     over tensor-parallel ranks (exact when the MLP is not sharded)."""
-    gate, up = F.linear(x, mlp.linear_fc1.weight).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, mlp.linear_fc2.weight)
+    gate, up = F.linear(x, fc1).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, fc2)
+
+
+def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """A dense or shared-expert MLP on `x` (its fused pre-MLP norm applied first, under TE's spec)."""
+    return _swiglu(_fused_norm(mlp.linear_fc1, x), mlp.linear_fc1.weight, mlp.linear_fc2.weight)
+
+
+def _expert_weights(experts) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fc1, fc2) weights of each local expert, in local-expert order: SequentialMLP's expert modules, or TE's
+    grouped GEMM (TEGroupedMLP, ``--moe-grouped-gemm``), whose fc1 and fc2 hold ``weight{i}`` for local expert
+    i. The parameters themselves: in-place updates (update_weights, checkpoint loads) show through."""
+    local = getattr(experts, "local_experts", None)
+    if local is not None:
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in local]
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    n = getattr(experts, "num_local_experts", None)
+    if n is not None and all(hasattr(fc, f"weight{i}") for fc in (fc1, fc2) for i in range(n)):
+        return [(getattr(fc1, f"weight{i}"), getattr(fc2, f"weight{i}")) for i in range(n)]
+    raise ValueError(f"the inference engine cannot read the routed experts of {type(experts).__name__}: it "
+                     "supports sequential experts and Transformer Engine's grouped GEMM (--moe-grouped-gemm), "
+                     "not --moe-use-legacy-grouped-gemm")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,9 +293,19 @@ class InferenceEngine:
                 raise ValueError("the inference engine supports MLA layers")
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):
             raise ValueError("the inference engine supports SwiGLU MLPs (gated_linear_unit with silu)")
+        _check_fused_norms(model)
         self.groups = _Groups()
         self.heads = self.layers[0].self_attention.num_attention_heads_per_partition
         self.mtp_layers = list(model.mtp.layers) if getattr(model, "mtp", None) is not None else []
+        self._experts = {}  # id(MoE layer) -> [(fc1, fc2)] of its local experts
+        for layer in self.layers + [m.transformer_layer for m in self.mtp_layers]:
+            mlp = layer.mlp
+            if getattr(mlp, "router", None) is not None:
+                self._experts[id(mlp)] = _expert_weights(mlp.experts)
+            elif not (hasattr(mlp, "linear_fc1") and hasattr(mlp, "linear_fc2")):
+                raise ValueError(f"the inference engine reads a dense MLP's linear_fc1 / linear_fc2; "
+                                 f"{type(mlp).__name__} has none (TE's op fuser, --use-te-op-fuser, is not "
+                                 "supported for generation)")
         r, dn, dv = cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
         # Absorbed attention costs ~(2r + rope) per head, new token and cached token; expanded costs r(dn + dv)
         # per head and cached token for the up-projection plus (dn + rope + dv) per new and cached token. For
@@ -321,13 +385,13 @@ class InferenceEngine:
         s, b, _ = h.shape
         n, dn, dr, r = self.heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is not None:
-            q = F.linear(_norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight)),
-                        attn.linear_q_up_proj.weight)
+            q_latent = _norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight))
+            q = F.linear(_fused_norm(attn.linear_q_up_proj, q_latent), attn.linear_q_up_proj.weight)
         else:
             q = F.linear(h, attn.linear_q_proj.weight)
         q = q.view(s, b, n, dn + dr)
         kv = F.linear(h, attn.linear_kv_down_proj.weight)  # [s, b, r + dr]
-        latent = _norm(attn.kv_layernorm, kv[..., :r])
+        latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv[..., :r]))  # what is cached
         cos, sin = self._rope_for(attn, step, cache_kv.size(1))
         pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), cos, sin)  # [s, b, n + 1, dr]
         new = torch.cat((latent, pe[:, :, n]), dim=-1).transpose(0, 1)  # [b, s, r + dr]
@@ -422,7 +486,7 @@ class InferenceEngine:
         received (no dispatcher, no idle experts); other ranks' experts arrive in the all-reduce."""
         flat = h.reshape(-1, h.size(-1))
         chosen, weights = self._route(mlp.router, flat, routing)
-        experts = mlp.experts.local_experts
+        experts = self._experts[id(mlp)]
         first = mlp.local_expert_indices[0]
         if flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             per_token = []
@@ -430,7 +494,7 @@ class InferenceEngine:
                 x, y_t = flat[t: t + 1], None
                 for e, w in zip(token_experts, token_weights):
                     if first <= e < first + len(experts):
-                        y = _gated_mlp(experts[e - first], x)
+                        y = _swiglu(x, *experts[e - first])
                         y_t = y * w if y_t is None else torch.add(y_t, y, alpha=w)
                 per_token.append(torch.zeros_like(x) if y_t is None else y_t)
             out = per_token[0] if len(per_token) == 1 else torch.cat(per_token)
@@ -442,7 +506,7 @@ class InferenceEngine:
             ys, keep, offset = [], [], 0
             for e, count in enumerate(counts):
                 if count and first <= e < first + len(experts):
-                    ys.append(_gated_mlp(experts[e - first], x[offset: offset + count]) * w[offset: offset + count])
+                    ys.append(_swiglu(x[offset: offset + count], *experts[e - first]) * w[offset: offset + count])
                     keep.append(rows[offset: offset + count])
                 offset += count
             out = torch.zeros_like(flat)
@@ -561,19 +625,24 @@ class InferenceEngine:
         """A generator on the device tokens are drawn on (the model's)."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _check_request(self, prompts: list[list[int]], rows: list[SamplingParams]):
+    def check_request(self, prompts: list[list[int]], params: list[SamplingParams]):
+        """Raise ValueError naming the problem if prompt i with params[i] cannot be generated for."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        for p in rows:
+        for p in params:
             p.validate(self.vocab_size)
         bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        longest = max(len(p) + r.max_tokens for p, r in zip(prompts, params))
+        if longest > self.model.max_sequence_length:
+            raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {self.model.max_sequence_length}")
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Optional[Callable[[int, int, float], None]] = None) -> list[Completion]:
         """One completion per prompt. `params` is shared by every row (row i then draws with seed + i) or given
-        per row (each row uses its own seed)."""
+        per row (each row uses its own seed). `on_token(row, token_id, logprob)` is called as each token is drawn."""
         if isinstance(params, SamplingParams):
             rows = [params] * len(prompts)
             seeds = [params.seed + i if params.seed is not None else None for i in range(len(prompts))]
@@ -582,33 +651,34 @@ class InferenceEngine:
             if len(rows) != len(prompts):
                 raise ValueError(f"{len(rows)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
             seeds = [p.seed for p in rows]
-        return self._generate_rows(prompts, rows, seeds, n=1)
+        return self._generate_rows(prompts, rows, seeds, [1] * len(prompts), on_token)
 
     @torch.inference_mode()
-    def generate_groups(self, prompts: list[list[int]], n: int, params: SamplingParams | list[SamplingParams],
-                        ) -> list[list[Completion]]:
-        """`n` samples of each prompt; the samples of a prompt share one prefill (its cache is forked n ways).
-        Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j]."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    def generate_groups(self, prompts: list[list[int]], n: int | list[int],
+                        params: SamplingParams | list[SamplingParams],
+                        on_token: Optional[Callable[[int, int, float], None]] = None) -> list[list[Completion]]:
+        """`n` samples of each prompt (or n[i] of prompt i); the samples of a prompt share one prefill (its cache
+        is forked n ways). Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j].
+        `on_token(row, token_id, logprob)` numbers the rows prompt by prompt, sample by sample."""
+        counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
+        if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        rows = [p for p in per_prompt for _ in range(n)]
-        seeds = [p.seed + j if p.seed is not None else None for p in per_prompt for j in range(n)]
-        flat = self._generate_rows(prompts, rows, seeds, n=n)
-        return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
+        rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
+        seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
+        flat = self._generate_rows(prompts, rows, seeds, counts, on_token)
+        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
 
-    def _generate_rows(self, prompts, rows, seeds, n: int) -> list[Completion]:
-        self._check_request(prompts, rows)
-        longest = max(len(p) + r.max_tokens for p, r in zip([p for p in prompts for _ in range(n)], rows))
-        if longest > self.model.max_sequence_length:
-            raise ValueError(f"prompt + max_tokens = {longest} exceeds the model's {self.model.max_sequence_length}")
+    def _generate_rows(self, prompts, rows, seeds, counts: list[int], on_token=None) -> list[Completion]:
+        self.check_request([prompts[i] for i in _prompt_of(counts)], rows)
         was_training = self.model.training
         self.model.eval()
         try:
             with platform.without_device_mapping():
-                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), n).run()
+                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
         finally:
             self.model.train(was_training)
 
@@ -652,6 +722,11 @@ class InferenceEngine:
         return self.weights_version
 
 
+def _prompt_of(counts: list[int]) -> list[int]:
+    """The prompt index of each row when prompt i has counts[i] rows."""
+    return [i for i, c in enumerate(counts) for _ in range(c)]
+
+
 def model_weights(model) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers (e.g. the routers' expert bias) by their Megatron names, with the
     DDP / Float16Module wrappers' `module.` prefixes removed."""
@@ -687,17 +762,19 @@ def _source_weights(source) -> dict[str, torch.Tensor]:
 
 
 class _Batch:
-    """One batched generation: rows are prompts x n samples; the prompts are prefilled once and each one's cache
-    is forked n ways. Rows that finish leave the decode batch (their cache rows are dropped); a row that returns
-    routing takes part in one more forward of its last token, for that token's experts."""
+    """One batched generation: prompt i has counts[i] rows (samples); the prompts are prefilled once and each
+    one's cache is forked to its rows. Rows that finish leave the decode batch (their cache rows are dropped); a
+    row that returns routing takes part in one more forward of its last token, for that token's experts."""
 
-    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int], n: int):
-        self.engine, self.prompts, self.rows, self.n = engine, prompts, rows, n
+    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int],
+                 counts: list[int], on_token=None):
+        self.engine, self.prompts, self.rows, self.counts, self.on_token = engine, prompts, rows, counts, on_token
+        self.prompt_of = _prompt_of(counts)
         dev = engine.device
         self.generators = [engine.generator(s) for s in seeds]
         self.version = engine.weights_version
         self.want_routing = [p.return_routing for p in rows]
-        self.out = [Completion(prompt_ids=list(prompts[i // n])) for i in range(len(rows))]
+        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
         greedy = [p.temperature == 0 for p in rows]
         self.any_sampled = not all(greedy)
         self.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows],
@@ -708,7 +785,7 @@ class _Batch:
         self.routing_steps: list[tuple[torch.Tensor, list[int]]] = []  # ([rows, moe layers, topk], row ids)
 
     def run(self) -> list[Completion]:
-        eng, n, dev = self.engine, self.n, self.engine.device
+        eng, dev = self.engine, self.engine.device
         prompts = self.prompts
         lens = [len(p) for p in prompts]
         max_len = max(len(c.prompt_ids) + r.max_tokens for c, r in zip(self.out, self.rows))
@@ -724,15 +801,16 @@ class _Batch:
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
-        if n > 1:  # fork: row i * n + j is sample j of prompt i
-            cache.kv = [t.repeat_interleave(n, dim=0) for t in cache.kv]
-            last = last.repeat_interleave(n, dim=0)
+        counts = torch.tensor(self.counts, dtype=torch.long, device=dev)
+        if any(c != 1 for c in self.counts):  # fork each prompt's cache to its samples
+            cache.kv = [t.repeat_interleave(counts, dim=0) for t in cache.kv]
+            last = last.repeat_interleave(counts, dim=0)
         if record:
             self.prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
 
-        in_cache = list(range(P * n))  # the rows the cache holds, in its batch order
+        in_cache = list(range(len(self.rows)))  # the rows the cache holds, in its batch order
         active = list(in_cache)  # rows still generating; `last` holds their next-token logits
-        lengths = lens_t.repeat_interleave(n)  # tokens in the cache of each cached row
+        lengths = lens_t.repeat_interleave(counts)  # tokens in the cache of each cached row
         while True:
             ids = self._sample(last, active)
             going, forward = [], []
@@ -744,9 +822,13 @@ class _Batch:
                     forward.append(r)  # once more, for the routing of its last token
             if not forward:
                 break
-            if forward != in_cache:  # finished rows leave the batch
-                keep = torch.tensor([in_cache.index(r) for r in forward], dtype=torch.long, device=dev)
-                cache.kv = [t.index_select(0, keep) for t in cache.kv]
+            if forward != in_cache:  # finished rows leave the batch: the others move up, in place
+                where = {r: i for i, r in enumerate(in_cache)}
+                keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
+                used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
+                for t in cache.kv:
+                    t[: len(forward), :used] = t[keep, :used]
+                cache.kv = [t[: len(forward)] for t in cache.kv]
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
@@ -758,7 +840,8 @@ class _Batch:
             if not going:
                 break
             if len(going) != len(forward):
-                hidden = hidden[:, torch.tensor([forward.index(r) for r in going], dtype=torch.long, device=dev)]
+                where = {r: i for i, r in enumerate(forward)}
+                hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
             last = eng.logits(hidden)[:, 0]
             active = going
         self._finish()
@@ -792,6 +875,8 @@ class _Batch:
         c.logprobs.append(logprob)
         c.sampled_logprobs.append(sampled)
         c.versions.append(self.version)
+        if self.on_token is not None:
+            self.on_token(r, token, logprob)
         return _finished(c, params, self.engine.detokenize)
 
     def _finish(self):
@@ -801,7 +886,7 @@ class _Batch:
             steps = [(t.cpu(), {r: i for i, r in enumerate(rows)}) for t, rows in self.routing_steps]
             for r, c in enumerate(self.out):
                 if self.want_routing[r]:
-                    parts = [prompt[: len(c.prompt_ids), r // self.n]]
+                    parts = [prompt[: len(c.prompt_ids), self.prompt_of[r]]]
                     parts += [t[where[r]].unsqueeze(0) for t, where in steps if r in where]
                     c.routing = torch.cat(parts)
         for c in self.out:
@@ -830,18 +915,18 @@ def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     top-k (ties with the k-th kept), then top-p (the smallest set of most likely tokens reaching p); one-hot on
     the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]."""
     scores = logits.double() / temperature.unsqueeze(-1)
-    sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
     vocab = scores.size(-1)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
-    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
-    p = torch.softmax(sorted_scores, -1)
-    beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
-    sorted_scores = sorted_scores.masked_fill(beyond, -math.inf)
-    probs = torch.softmax(torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores), dim=-1)
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):  # else no sort over the vocabulary
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
+        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
+        p = torch.softmax(sorted_scores, -1)
+        beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores.masked_fill(beyond, -math.inf))
+    probs = torch.softmax(scores, dim=-1)
     if bool(greedy.any()):
-        one_hot = F.one_hot(logits.argmax(-1), vocab).double()
-        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        probs = torch.where(greedy.unsqueeze(-1), F.one_hot(logits.argmax(-1), vocab).double(), probs)
     return probs
 
 

@@ -4,25 +4,42 @@ our model exactly as they would to vLLM or SGLang.
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (prompt as text or token ids; returns
 token ids and, with ``logprobs``, per-token log-probabilities), ``POST /v1/chat/completions`` (messages rendered
 with the tokenizer's chat template, when one is given), ``POST /v1/reload`` ({"load": CKPT}: new weights without a
-restart, as the RL trainer publishes them). Bad requests get a 4xx with a message and the server keeps serving.
-Generation is serialised behind a lock (one model, CPU or one GPU rank); ``"speculative": true`` uses MTP drafting.
+restart, as the RL trainer publishes them; validated first, the previous weights keep serving if it fails).
+``"n"`` samples share the prompt's prefill, ``"stream": true`` answers with server-sent events in OpenAI's chunk
+format, ``"speculative": true`` uses MTP drafting. Bad requests get a 4xx naming the field and the server keeps
+serving.
+
+FastAPI on uvicorn serves HTTP; requests are parsed and validated on the event loop and queued. One batching
+thread runs the engine: it takes every request queued (up to `max_batch_rows` samples) into one batched
+generation, so requests arriving while a batch runs join the next one. Under model parallelism the batching
+thread of rank 0 announces each engine call to the other ranks (ModelParallelServing).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import json
+import math
+import queue
+import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 import torch.distributed as dist
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from megatron_ext import platform
 from megatron_ext.data.sft import IM_END, parse_assistant
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
 from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+
+MAX_N = 64  # samples per request
 
 
 class RequestError(ValueError):
@@ -31,12 +48,15 @@ class RequestError(ValueError):
         self.status = status
 
 
-def _int(body: dict, key: str, default, lo=None):
+def _int(body: dict, key: str, default, lo=None, hi=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
-        raise RequestError(f"'{key}' must be an integer{f' >= {lo}' if lo is not None else ''}, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo)
+            or (hi is not None and value > hi)):
+        bounds = " and ".join(b for b in (f">= {lo}" if lo is not None else "", f"<= {hi}" if hi is not None else "")
+                              if b)
+        raise RequestError(f"'{key}' must be an integer{' ' + bounds if bounds else ''}, got {value!r}")
     return value
 
 
@@ -44,42 +64,111 @@ def _float(body: dict, key: str, default):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"'{key}' must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"'{key}' must be a finite number, got {value!r}")
     return float(value)
 
 
+def _bool(body: dict, key: str):
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _check_unicode(value, where: str):
+    """JSON allows lone surrogates (\\ud800) that no tokenizer can encode: refuse them, naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"'{where}' is not valid Unicode (a lone surrogate at character {e.start})") from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, where)
+            _check_unicode(v, f"{where}.{k}")
+
+
+def _tools(value):
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(f"'tools' must be a list of tool objects, got {type(value).__name__}")
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"'tools[{i}].function.name' must be a non-empty string")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"'tools[{i}].function.parameters' must be a JSON schema object")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise RequestError(f"'tools[{i}].function.description' must be a string")
+    return value
+
+
+@dataclasses.dataclass
+class Job:
+    """One HTTP request's generation: n samples of one prompt."""
+    kind: str  # "completion" | "chat"
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    speculative: bool
+    stream: bool
+    logprobs: bool
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    # called on the batching thread as each token is drawn: (sample index, token id, raw logprob)
+    on_token: Optional[Callable[[int, int, float], None]] = None
+
+
 class ModelService:
-    """Request parsing and generation, independent of HTTP (the handler only moves JSON)."""
+    """Request parsing, the batching loop and responses, independent of HTTP (the app only moves JSON)."""
 
     def __init__(self, engine: InferenceEngine, name: str, tokenizer=None,
-                 reload: Optional[Callable[[str], None]] = None, peers: Optional["ModelParallelServing"] = None):
+                 reload: Optional[Callable[[str], None]] = None, peers: Optional["ModelParallelServing"] = None,
+                 max_batch_rows: int = 64):
         self.engine, self.name, self.tokenizer, self._reload = engine, name, tokenizer, reload
-        self.peers = peers
-        if tokenizer is not None and engine.detokenize is None:
-            engine.detokenize = tokenizer.decode  # stop strings and response text
-        self.lock = threading.Lock()
-        self.version = 0
+        self.peers, self.max_batch_rows = peers, max_batch_rows
+        if tokenizer is not None:
+            if engine.detokenize is None:
+                engine.detokenize = tokenizer.decode  # stop strings and response text
+            engine.set_vocab_size(tokenizer.vocab_size)  # the embedding's padding rows are never sampled
+        self.lock = threading.Lock()  # one engine call at a time (batches, reloads, heartbeats)
         self.stats = SpeculationStats()
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._loop_thread: Optional[threading.Thread] = None
+        self._loop_start = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.engine.weights_version
+
+    # ---------------------------------------------------------------------------------------------------
+    # parsing
+    # ---------------------------------------------------------------------------------------------------
 
     def _sampling(self, body: dict) -> SamplingParams:
-        stop = body.get("stop") or ()
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not all(isinstance(s, str) for s in stop):
-            raise RequestError("'stop' must be a string or a list of strings")
+        stop = body.get("stop")
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError(f"'stop' must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         if stop and self.tokenizer is None:
             raise RequestError("'stop' strings need a server started with a tokenizer; use 'stop_token_ids'")
-        stop_ids = body.get("stop_token_ids") or ()
-        if not all(isinstance(t, int) for t in stop_ids):
-            raise RequestError("'stop_token_ids' must be a list of integers")
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise RequestError(f"'seed' must be an integer, got {seed!r}")
+        stop_ids = body.get("stop_token_ids")
+        stop_ids = [] if stop_ids is None else stop_ids
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise RequestError(f"'stop_token_ids' must be a list of integers, got {body.get('stop_token_ids')!r}")
         params = SamplingParams(max_tokens=_int(body, "max_tokens", 16, lo=1),
                                 temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0),
-                                top_k=_int(body, "top_k", 0, lo=0), seed=seed, stop=tuple(stop),
-                                stop_token_ids=tuple(stop_ids), return_routing=bool(body.get("return_routing")))
+                                top_k=_int(body, "top_k", 0, lo=0), seed=_int(body, "seed", None, lo=0),
+                                stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+                                return_routing=_bool(body, "return_routing"))
         try:
             params.validate(self.engine.vocab_size)
         except ValueError as e:
@@ -95,81 +184,47 @@ class ModelService:
             return self.tokenizer.encode(prompt)
         raise RequestError("'prompt' must be a string or a non-empty list of token ids")
 
-    def execute(self, name: str, *args):
-        """One engine call; under model parallelism every rank makes it together (`ModelParallelServing`)."""
-        platform.ensure_mode_on_this_thread()
-        if name == "generate":
-            prompt_ids, params, speculative = args
-            if speculative:
-                return generate_speculative(self.engine, prompt_ids, params, self.stats)
-            return self.engine.generate([prompt_ids], params)[0]
-        if name == "reload":
-            return self._reload(*args)
-        if name == "noop":
-            return None
-        raise ValueError(f"unknown engine call {name!r}")
+    def _job(self, kind: str, body: dict, prompt_ids: list[int], params: SamplingParams) -> Job:
+        n = _int(body, "n", 1, lo=1, hi=MAX_N)
+        speculative, stream = _bool(body, "speculative"), _bool(body, "stream")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not (isinstance(logprobs, bool) or (isinstance(logprobs, int) and logprobs >= 0)):
+            raise RequestError(f"'logprobs' must be true/false or an integer >= 0, got {logprobs!r}")
+        if speculative and not self.engine.mtp_layers:
+            raise RequestError("'speculative' needs a model with MTP layers (--mtp-num-layers >= 1)")
+        if n > self.max_batch_rows:
+            raise RequestError(f"'n' is at most {self.max_batch_rows} on this server, got {n}")
+        try:
+            self.engine.check_request([prompt_ids], [params])
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return Job(kind, prompt_ids, params, n, speculative, stream, bool(logprobs))
 
-    def _call(self, name: str, *args):
-        if self.peers is not None:
-            self.peers.announce(name, args)
-        return self.execute(name, *args)
+    def parse_completion(self, body: dict) -> Job:
+        _check_unicode(body, "body")
+        return self._job("completion", body, self._prompt_ids(body.get("prompt")), self._sampling(body))
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, speculative: bool):
-        with self.lock:
-            try:
-                return self._call("generate", prompt_ids, params, speculative)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
-
-    def _choice(self, completion, want_logprobs: bool) -> dict:
-        text = completion.text
-        if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(completion.token_ids)
-        choice = {"index": 0, "text": text, "token_ids": completion.token_ids,
-                  "finish_reason": completion.finish_reason}
-        if want_logprobs:
-            choice["logprobs"] = {"token_ids": completion.token_ids, "token_logprobs": completion.logprobs}
-        if completion.routing is not None:
-            choice["routing"] = completion.routing.tolist()
-        return choice
-
-    def completions(self, body: dict) -> dict:
-        prompt_ids = self._prompt_ids(body.get("prompt"))
-        completion = self._run(prompt_ids, self._sampling(body), bool(body.get("speculative")))
-        return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
-                "model": self.name, "weights_version": self.version,
-                "choices": [self._choice(completion, bool(body.get("logprobs")))],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids),
-                          "total_tokens": len(prompt_ids) + len(completion.token_ids)}}
-
-    def chat(self, body: dict) -> dict:
+    def parse_chat(self, body: dict) -> Job:
+        _check_unicode(body, "body")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("'messages' must be a non-empty list of message objects")
+        tools = _tools(body.get("tools"))
+        if tools and _bool(body, "stream"):
+            raise RequestError("'stream' with 'tools' is not supported: tool calls are parsed from the whole "
+                               "reply; send \"stream\": false")
         if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):
             raise RequestError("chat completions need a server started with a tokenizer that has a chat template",
                                status=501)
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages, tools=body.get("tools"),
-                                                            add_generation_prompt=True)
+            prompt_ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RequestError(f"cannot render 'messages': {e}") from None
         params = self._sampling(body)
         end_of_turn = self._end_of_turn()
         if end_of_turn is not None:  # an assistant turn ends at <|im_end|>
             params.stop_token_ids = tuple(params.stop_token_ids) + (end_of_turn,)
-        completion = self._run(prompt_ids, params, bool(body.get("speculative")))
-        choice = self._choice(completion, bool(body.get("logprobs")))
-        choice.pop("text")
-        message = {"role": "assistant", **parse_assistant(self.tokenizer, completion.token_ids)}
-        if message["tool_calls"]:
-            choice["finish_reason"] = "tool_calls"
-        else:
-            del message["tool_calls"]
-        choice["message"] = message
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.name, "weights_version": self.version, "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids)}}
+        return self._job("chat", body, prompt_ids, params)
 
     def _end_of_turn(self):
         try:
@@ -177,7 +232,137 @@ class ModelService:
         except (AttributeError, ValueError):
             return None
 
+    # ---------------------------------------------------------------------------------------------------
+    # the batching loop
+    # ---------------------------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        if self._loop_thread is None:
+            with self._loop_start:
+                if self._loop_thread is None:
+                    self._loop_thread = threading.Thread(target=self._batching_loop, daemon=True)
+                    self._loop_thread.start()
+        self._queue.put(job)
+        return job.future
+
+    def stop_batching(self):
+        if self._loop_thread is not None:
+            self._queue.put(None)
+            self._loop_thread.join(timeout=60)
+
+    def _batching_loop(self):
+        platform.ensure_mode_on_this_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            batch, rows = [job], job.n
+            while rows < self.max_batch_rows:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                batch.append(job)
+                rows += job.n
+            with self.lock:
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Job]):
+        plain = [j for j in batch if not j.speculative and not j.future.done()]
+        if plain:
+            rows = [(j, s) for j in plain for s in range(j.n)]  # engine row -> (job, sample)
+
+            def on_token(row, token, logprob):
+                job, sample = rows[row]
+                if job.on_token is not None:
+                    job.on_token(sample, token, logprob)
+
+            self._settle(plain, lambda: self._call("generate", [j.prompt_ids for j in plain], [j.n for j in plain],
+                                                   [j.params for j in plain], on_token=on_token))
+        for job in (j for j in batch if j.speculative and not j.future.done()):
+            self._settle([job], lambda job=job: [[self._call("speculative", job.prompt_ids, _sample_params(job.params, s),
+                                                             on_token=_sample_callback(job, s)) for s in range(job.n)]])
+
+    @staticmethod
+    def _settle(jobs: list[Job], run):
+        try:
+            results = run()
+        except ValueError as e:
+            for job in jobs:
+                job.future.set_exception(RequestError(str(e)))
+        except Exception as e:  # noqa: BLE001 - reported to the callers; the server keeps serving
+            for job in jobs:
+                job.future.set_exception(e)
+        else:
+            for job, completions in zip(jobs, results):
+                job.future.set_result(completions)
+
+    def execute(self, name: str, *args, on_token=None):
+        """One engine call; under model parallelism every rank makes it together (`ModelParallelServing`).
+        `on_token` (rank 0 only, never announced) sees each token as it is drawn."""
+        platform.ensure_mode_on_this_thread()
+        if name == "generate":
+            prompts, counts, params = args
+            return self.engine.generate_groups(prompts, counts, params, on_token=on_token)
+        if name == "speculative":
+            prompt_ids, params = args
+            return generate_speculative(self.engine, prompt_ids, params, self.stats, on_token=on_token)
+        if name == "reload":
+            self._reload(*args)
+            self.engine.weights_version += 1
+            return self.engine.weights_version
+        if name == "noop":
+            return None
+        raise ValueError(f"unknown engine call {name!r}")
+
+    def _call(self, name: str, *args, on_token=None):
+        if self.peers is not None:
+            self.peers.announce(name, args)
+        return self.execute(name, *args, on_token=on_token)
+
+    # ---------------------------------------------------------------------------------------------------
+    # responses
+    # ---------------------------------------------------------------------------------------------------
+
+    def _text(self, completion) -> Optional[str]:
+        if completion.text is not None or self.tokenizer is None:
+            return completion.text
+        return self.tokenizer.decode(completion.token_ids)
+
+    def _choice(self, job: Job, index: int, completion) -> dict:
+        choice = {"index": index, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}
+        if job.logprobs:
+            choice["logprobs"] = {"token_ids": completion.token_ids, "token_logprobs": completion.logprobs,
+                                  "sampled_logprobs": completion.sampled_logprobs}
+        if completion.routing is not None:
+            choice["routing"] = completion.routing.tolist()
+        if job.kind == "completion":
+            choice["text"] = self._text(completion)
+            return choice
+        message = {"role": "assistant", **parse_assistant(self.tokenizer, completion.token_ids)}
+        if message["tool_calls"]:
+            choice["finish_reason"] = "tool_calls"
+        else:
+            del message["tool_calls"]
+        choice["message"] = message
+        return choice
+
+    def respond(self, job: Job, completions: list) -> dict:
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        chat = job.kind == "chat"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.name, "weights_version": completions[0].versions[0],  # the version that generated it
+                "choices": [self._choice(job, i, c) for i, c in enumerate(completions)],
+                "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(job.prompt_ids) + completion_tokens}}
+
     def reload(self, body: dict) -> dict:
+        from megatron_ext.inference.reload import ReloadError
+
         path = body.get("load")
         if not isinstance(path, str) or not path:
             raise RequestError("'load' must name a checkpoint directory")
@@ -185,20 +370,223 @@ class ModelService:
             raise RequestError("this server was started without a way to reload weights", status=501)
         with self.lock:
             try:
-                self._call("reload", path)
-            except Exception as e:  # a bad checkpoint must not take the server down
-                raise RequestError(f"cannot load {path}: {e}", status=422) from None
-            self.version += 1
-        return {"status": "ok", "weights_version": self.version, "load": path}
+                version = self._call("reload", path)
+            except ReloadError as e:
+                raise RequestError(f"cannot load {path}: {e}", status=e.status) from None
+            except Exception as e:  # noqa: BLE001 - a bad checkpoint must not take the server down
+                raise RequestError(f"cannot load {path}: {type(e).__name__}: {e}", status=500) from None
+        return {"status": "ok", "weights_version": version, "load": path}
+
+
+def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + sample)
+
+
+def _sample_callback(job: Job, sample: int):
+    if job.on_token is None:
+        return None
+    return lambda row, token, logprob: job.on_token(sample, token, logprob)
+
+
+class _Stream:
+    """Server-sent events for one streamed request, in OpenAI's chunk format: a chunk per drawn token (text
+    deltas hold back what could still turn into a stop string), then each sample's finish reason, then
+    ``data: [DONE]``."""
+
+    def __init__(self, service: ModelService, job: Job, loop: asyncio.AbstractEventLoop):
+        self.service, self.job, self.loop = service, job, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.tokens = [[] for _ in range(job.n)]
+        self.sent = [""] * job.n
+        self.holdback = max((len(s) for s in job.params.stop), default=1) - 1
+        self.id = f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
+        job.on_token = lambda sample, token, logprob: self._post(("token", sample, token, logprob))
+        job.future.add_done_callback(lambda f: self._post(("done",)))
+
+    def _post(self, event):
+        """From the batching thread; a closed loop (the server stopping) must not fail the batch."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    def _chunk(self, choices: list[dict], version: Optional[int] = None) -> bytes:
+        chat = self.job.kind == "chat"
+        payload = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": int(time.time()), "model": self.service.name, "choices": choices}
+        if version is not None:
+            payload["weights_version"] = version
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    def _delta(self, sample: int, text: Optional[str], final: bool) -> Optional[str]:
+        """The new text of a sample to send now (None without a tokenizer)."""
+        if text is None:
+            return None
+        ready = text if final else text[: max(len(text) - self.holdback, 0)]
+        if not ready.startswith(self.sent[sample]):
+            return ""  # the detokenizer revised earlier text (a partial multi-byte character): nothing new
+        delta = ready[len(self.sent[sample]):]
+        self.sent[sample] = ready
+        return delta
+
+    def _choice(self, sample: int, text: Optional[str], tokens: list[int], logprobs: list[float],
+                finish_reason: Optional[str]) -> dict:
+        choice = {"index": sample, "finish_reason": finish_reason, "token_ids": tokens}
+        if self.job.kind == "chat":
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text if text is not None else ""
+        if self.job.logprobs:
+            choice["logprobs"] = {"token_logprobs": logprobs}
+        return choice
+
+    async def events_bytes(self):
+        job, tokenizer = self.job, self.service.tokenizer
+        if job.kind == "chat":
+            yield self._chunk([{"index": s, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                               for s in range(job.n)])
+        while True:
+            event = await self.events.get()
+            if event[0] == "token":
+                _, sample, token, logprob = event
+                self.tokens[sample].append(token)
+                text = None
+                if tokenizer is not None:
+                    ids = self.tokens[sample]
+                    if job.kind == "chat" and self.service._end_of_turn() in ids:
+                        ids = ids[: ids.index(self.service._end_of_turn())]
+                    text = self._delta(sample, tokenizer.decode(ids), final=False)
+                yield self._chunk([self._choice(sample, text, [token], [logprob], None)])
+                continue
+            break
+        try:
+            completions = job.future.result()
+        except Exception as e:  # noqa: BLE001 - the stream has started: report the error in it
+            status = e.status if isinstance(e, RequestError) else 500
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': status}})}\n\n".encode()
+        else:
+            for sample, completion in enumerate(completions):
+                full = self.service._choice(job, sample, completion)
+                text = full.get("text") if job.kind == "completion" else full["message"].get("content")
+                delta = self._delta(sample, text, final=True) if tokenizer is not None else None
+                yield self._chunk([self._choice(sample, delta, [], [], full["finish_reason"])],
+                                  version=completion.versions[0])
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(service: ModelService):
+    """The FastAPI application serving `service`."""
+    app = FastAPI(title=f"megatron_ext serving {service.name}", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
+                            status_code=status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 404:
+            return error(404, f"no such endpoint: {request.method} {request.url.path}")
+        return error(exc.status_code, str(exc.detail))
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        return body
+
+    async def generation(request: Request, parse):
+        try:
+            job = parse(await body_of(request))
+        except RequestError as e:
+            return error(e.status, str(e))
+        if job.stream:
+            stream = _Stream(service, job, asyncio.get_running_loop())
+            service.submit(job)
+            return StreamingResponse(stream.events_bytes(), media_type="text/event-stream")
+        try:
+            completions = await asyncio.wrap_future(service.submit(job))
+            return JSONResponse(service.respond(job, completions))
+        except RequestError as e:
+            return error(e.status, str(e))
+        except Exception as e:  # noqa: BLE001 - keep serving; report the failure to the caller
+            return error(500, f"{type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "weights_version": service.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.name, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generation(request, service.parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generation(request, service.parse_chat)
+
+    @app.post("/v1/reload")
+    async def reload(request: Request):
+        try:
+            body = await body_of(request)
+            return await asyncio.to_thread(service.reload, body)
+        except RequestError as e:
+            return error(e.status, str(e))
+
+    return app
+
+
+class HTTPServer:
+    """uvicorn serving the app from a background thread on a socket bound here (so port 0 works and the
+    backlog is ours)."""
+
+    def __init__(self, service: ModelService, host: str, port: int, backlog: int = 2048):
+        import uvicorn
+
+        self.service = service
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.socket.listen(backlog)
+        self.server_address = self.socket.getsockname()[:2]
+        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, loop="asyncio",
+                                http="h11", lifespan="off", backlog=backlog, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started and self.thread.is_alive() and time.time() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+
+    def shutdown(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.socket.close()
+        self.service.stop_batching()
+
+
+def serve(service: ModelService, host: str, port: int) -> HTTPServer:
+    """A started server (in a background thread); call .shutdown() to stop it."""
+    return HTTPServer(service, host, port)
 
 
 class ModelParallelServing:
     """The ranks of a model split over tensor- or expert-parallel ranks serve together.
 
-    Rank 0 serves HTTP; before every engine call (generate, reload) it broadcasts the call, and the other ranks,
-    waiting in `follow`, make the same call, so the engine's collectives line up. A call that fails fails alike
-    everywhere (same inputs, same checks); rank 0 reports it. While idle, rank 0 sends a no-op every
-    `heartbeat` seconds so that waiting ranks never reach the process group's timeout."""
+    Rank 0 serves HTTP; before every engine call (a generation batch, a reload) its batching thread broadcasts
+    the call, and the other ranks, waiting in `follow`, make the same call, so the engine's collectives line up.
+    A generation that fails fails alike everywhere (same inputs, same checks) and rank 0 reports it; a reload
+    agrees on every rank's outcome itself (CheckpointReload), so rank 0 reports any rank's failure. While idle,
+    rank 0 sends a no-op every `heartbeat` seconds so that waiting ranks never reach the process group's
+    timeout."""
 
     def __init__(self, heartbeat: float = 60.0):
         self.group = None  # the default (world) group: all ranks of the job hold one model
@@ -223,7 +611,7 @@ class ModelParallelServing:
                 return
             try:
                 service.execute(name, *args)
-            except Exception:  # rank 0 makes the same call, fails the same way and reports it
+            except Exception:  # noqa: BLE001 - rank 0 fails the same way (or learns the reload's outcome)
                 pass
 
     def keep_alive(self, service: ModelService):
@@ -241,61 +629,3 @@ class ModelParallelServing:
         self._stopped.set()
         with service.lock:
             self.announce("stop", ())
-
-
-def make_handler(service: ModelService):
-    routes_post = {"/v1/completions": service.completions, "/v1/chat/completions": service.chat,
-                   "/v1/reload": service.reload}
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # quiet: one line per request is noise for RL workers
-            pass
-
-        def _send(self, status: int, payload: dict):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str):
-            self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-        def do_GET(self):
-            if self.path == "/health":
-                self._send(200, {"status": "ok", "weights_version": service.version})
-            elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": service.name, "object": "model"}]})
-            else:
-                self._error(404, f"no such endpoint: GET {self.path}")
-
-        def do_POST(self):
-            route = routes_post.get(self.path)
-            if route is None:
-                return self._error(404, f"no such endpoint: POST {self.path}")
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"null")
-            except (ValueError, UnicodeDecodeError) as e:
-                return self._error(400, f"request body is not valid JSON: {e}")
-            if not isinstance(body, dict):
-                return self._error(400, "request body must be a JSON object")
-            try:
-                self._send(200, route(body))
-            except RequestError as e:
-                self._error(e.status, str(e))
-            except Exception as e:  # keep serving; report the failure to the caller
-                self._error(500, f"{type(e).__name__}: {e}")
-
-    return Handler
-
-
-def serve(service: ModelService, host: str, port: int) -> ThreadingHTTPServer:
-    """A started server (in a background thread); call .shutdown() to stop it."""
-    server = ThreadingHTTPServer((host, port), make_handler(service))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return server

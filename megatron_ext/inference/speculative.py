@@ -21,7 +21,7 @@ Caches: the main model's and each MTP layer's latent caches only ever hold posit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,8 +63,10 @@ def _draw(probs: torch.Tensor, generator) -> int:
 
 @torch.inference_mode()
 def generate_speculative(engine: InferenceEngine, prompt: list[int], params: SamplingParams,
-                         stats: SpeculationStats | None = None, depth: Optional[int] = None) -> Completion:
-    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has)."""
+                         stats: SpeculationStats | None = None, depth: Optional[int] = None,
+                         on_token: Optional[Callable[[int, int, float], None]] = None) -> Completion:
+    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has); `on_token(0,
+    token_id, logprob)` is called as each token is emitted."""
     layers = len(engine.mtp_layers)
     if layers == 0:
         raise ValueError("speculative decoding needs a model with MTP layers (--mtp-num-layers >= 1)")
@@ -83,7 +85,7 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
     model.eval()
     try:
         with platform.without_device_mapping():
-            return _Speculation(engine, prompt, params, stats, depth).run()
+            return _Speculation(engine, prompt, params, stats, depth, on_token).run()
     finally:
         model.train(was_training)
 
@@ -93,8 +95,9 @@ class _Speculation:
     states cover positions < L - 1; MTP layer k's cache covers positions < fed[k]. inputs[k, j] is MTP layer
     k's hidden input at position j (the main model's final hidden state for k = 0, layer k-1's output else)."""
 
-    def __init__(self, engine: InferenceEngine, prompt: list[int], params: SamplingParams, stats, depth: int):
-        self.engine, self.params, self.stats, self.depth = engine, params, stats, depth
+    def __init__(self, engine: InferenceEngine, prompt: list[int], params: SamplingParams, stats, depth: int,
+                 on_token=None):
+        self.engine, self.params, self.stats, self.depth, self.on_token = engine, params, stats, depth, on_token
         self.vocab = engine.vocab_size
         n = len(prompt)
         max_len = n + params.max_tokens + depth + 1
@@ -165,6 +168,8 @@ class _Speculation:
         out.versions.append(self.engine.weights_version)
         self.tokens.append(token)
         self.stats.tokens += 1
+        if self.on_token is not None:
+            self.on_token(0, token, values[0])
         return _finished(out, self.params, self.engine.detokenize)
 
     def _draft(self) -> tuple[list[int], list[Optional[torch.Tensor]]]:

@@ -12,7 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_ext.models.gpt import ComposerGPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_ext import platform
+from megatron_ext import gpu, platform
 from megatron_ext.models.presets import ModelPreset, parameter_counts
 from megatron_ext.models.specs import ReplicatedLinear, decoder_block_spec, mtp_block_spec
 
@@ -83,12 +83,9 @@ def transformer_config(args: argparse.Namespace) -> MLATransformerConfig:
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe if args.fp8_format else "delayed",
         use_cpu_initialization=platform.bridge_needed(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,  # our SDPA core attention (local) or TE's fused attention: no apex softmax
         persist_layer_norm=False,
+        **gpu.transformer_config_kwargs(args),
         **moe,
     )
 

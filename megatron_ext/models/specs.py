@@ -3,7 +3,7 @@
 ``transformer_engine``: Megatron-Core's own TE specs, untouched. ``local``: Megatron-Core's local modules with
 substitutions that make MLA, packed sequences, sequence and context parallelism work without TE: our SDPA-based
 core attention, MLA that all-gathers its KV latent under context parallelism, and an RMSNorm that marks its weight
-for sequence parallelism.
+for sequence parallelism. Both write checkpoints in TE's layout (models/te_layout.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_ext.models.attention import CoreAttention
 from megatron_ext.models.mla import ContextParallelMLA
 from megatron_ext.models.norm import RMSNorm
+from megatron_ext.models.te_layout import fused_norm_keys
 
 
 class LocalBackend(LocalSpecProvider):
@@ -80,6 +81,8 @@ def mla_layer_spec(backend: LocalSpecProvider, num_experts: int | None) -> Modul
             pre_mlp_layernorm=norm,
             mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts),
             mlp_bda=get_bias_dropout_add,
+            # checkpoints in Transformer Engine's layout, which fuses these norms into the next linear
+            sharded_state_dict_keys_map=fused_norm_keys(moe=bool(num_experts)),
         ),
     )
 

@@ -115,15 +115,24 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
     for i, t in enumerate(tasks):
         rollouts = []
         for j in range(g):
-            reward = envs[i][j].score()
-            if not isinstance(reward, Reward):
-                raise TypeError("Environment.score() must return a Reward (env.Rubric.score)")
+            reward = _as_reward(envs[i][j].score())
             rollouts.append(Rollout(t["id"], j, episodes[i][j], "error" if reward.error else finish[i][j], reward,
                                     routing[i][j]))
         grp = Group(t["id"], rollouts)
         grp.advantages = group_advantages(grp.rewards, std_normalize).tolist()
         groups.append(grp)
     return groups
+
+
+def _as_reward(score) -> Reward:
+    """An environment's score as a Reward: anything with `parts`, `total` and optionally `error` (env.Rubric's
+    Reward, the coding environment's Score)."""
+    if isinstance(score, Reward):
+        return score
+    try:
+        return Reward(dict(score.parts), float(score.total), getattr(score, "error", None))
+    except AttributeError:
+        raise TypeError(f"Environment.score() returned {type(score).__name__}; it needs .parts and .total") from None
 
 
 def reference_groups(tasks: list[dict], make_env: Callable[[], Environment]) -> list[Group]:

@@ -3,23 +3,28 @@
 Layout of a save directory (Megatron-LM's, so its tools recognise it)::
 
     SAVE/iter_0000040/            one dist checkpoint: model, optimizer, per-rank RNG, common state
-    SAVE/iter_0000040/manifest.json   every file of the checkpoint with its size, written last
+    SAVE/iter_0000040/manifest.json   every file of the checkpoint with its size and CRC-32, written last
     SAVE/latest_checkpointed_iteration.txt
 
 A checkpoint is written into ``iter_N.tmp`` and renamed only once every rank has finished and the manifest is
 written; the tracker is replaced after that. A crash at any point leaves the previous tracker pointing at a
-complete checkpoint. Loading verifies the manifest first, so a truncated or missing file is reported by name
-before any tensor is read.
+complete checkpoint. Loading verifies the manifest first, so a truncated, missing or corrupted file is reported by
+name before any tensor is read. The CRC-32 of each data file is computed from the bytes as they are written (no
+second read; see `checksummed_writes`); verifying them on load reads every file once, spread over the ranks
+(`--skip-checkpoint-checksums` checks sizes only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
+import zlib
 
 import numpy as np
 import torch
@@ -29,10 +34,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_ext import platform
+from megatron_ext.models.te_layout import drop_absent_extra_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+CHECKSUM_SIDECAR = ".crc32"  # NAME.crc32 next to each data file while a checkpoint is written; folded into the manifest
+_READ_CHUNK = 16 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -135,7 +143,8 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
                  layout=_layout(args), optimizer_parts=_optimizer_parts(optimizer),
                  opt_param_scheduler=scheduler.state_dict() if scheduler else None,
                  **(extra or {}))
-    dist_checkpointing.save(state, tmp)
+    with checksummed_writes():
+        dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
         publish(root, tmp, final, iteration)
@@ -156,14 +165,128 @@ def publish(root: str, tmp: str, final: str, tag: int | str):
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
+class ChecksumStream:
+    """A file opened for writing that keeps the CRC-32 of what passes through it and, on close, leaves it in a
+    sidecar (NAME.crc32) for the manifest. A seek makes the running value meaningless: no sidecar then, and the
+    manifest reads the file back instead."""
+
+    def __init__(self, path, mode: str = "wb"):
+        self._f = open(path, mode)
+        self._path = os.fspath(path)
+        self._crc, self._count = 0, 0
+        self._valid = mode in ("wb", "bw")
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = self._f.write(view)
+        n = len(view) if n is None else n
+        self._crc = zlib.crc32(view[:n], self._crc)
+        self._count += n
+        return n
+
+    def seek(self, *args):
+        self._valid = False
+        return self._f.seek(*args)
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self):
+        if self._f.closed:
+            return
+        self._f.close()
+        if self._valid and os.path.getsize(self._path) == self._count:
+            with open(self._path + CHECKSUM_SIDECAR, "w") as f:
+                json.dump({"size": self._count, "crc32": f"{self._crc:08x}"}, f)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __getattr__(self, name):  # tell, flush, fileno, closed, ...
+        return getattr(self._f, name)
+
+
+def _checksum_open(file, mode="r", *args, **kwargs):
+    if mode in ("wb", "bw") and not args and not kwargs:
+        return ChecksumStream(file, mode)
+    return open(file, mode, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def checksummed_writes():
+    """While active, the data files Megatron-Core's torch_dist writer creates (FileSystemWriterAsync, in this
+    process or the worker processes it forks) go through ChecksumStream. The writer opens them with the builtin
+    `open`, which a module global of the same name shadows; anything it does not catch (a future writer, other
+    files) is checksummed by reading it back when the manifest is written, so the manifest is complete either
+    way."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    had = "open" in vars(filesystem_async)
+    previous = vars(filesystem_async).get("open")
+    filesystem_async.open = _checksum_open
+    try:
+        yield
+    finally:
+        if had:
+            filesystem_async.open = previous
+        else:
+            del filesystem_async.open
+
+
+def checksum_file_system():
+    """A torch.distributed.checkpoint FileSystem whose written files go through ChecksumStream (set it as a
+    FileSystemWriter's `fs`; tools/convert_checkpoint.py import writes through one)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ChecksumFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with ChecksumStream(path, mode) as stream:
+                yield stream
+
+    return ChecksumFileSystem()
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def _write_manifest(ckpt: str):
-    files = {}
+    """manifest.json: size and CRC-32 per file. CRCs come from the sidecars written while the data files were
+    written; files without one (the small common.pt, .metadata, metadata.json) are read here."""
+    paths, sidecars = {}, {}
     for dirpath, _, names in os.walk(ckpt):
         for name in names:
             path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, ckpt)] = os.path.getsize(path)
+            rel = os.path.relpath(path, ckpt)
+            if name.endswith(CHECKSUM_SIDECAR):
+                sidecars[rel[: -len(CHECKSUM_SIDECAR)]] = path
+            elif rel != MANIFEST:
+                paths[rel] = path
+    files = {}
+    for rel, path in sorted(paths.items()):
+        size, crc = os.path.getsize(path), None
+        if rel in sidecars:
+            with open(sidecars[rel]) as f:
+                record = json.load(f)
+            if record.get("size") == size:
+                crc = record["crc32"]
+        files[rel] = {"size": size, "crc32": crc or f"{file_crc32(path):08x}"}
+    for sidecar in sidecars.values():
+        os.remove(sidecar)
     with open(os.path.join(ckpt, MANIFEST), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "files": files}, f, indent=1)
+        json.dump({"format_version": FORMAT_VERSION, "checksum": "crc32", "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -184,26 +307,78 @@ def checkpoint_arch(root: str):
         raise CheckpointError(f"cannot read the architecture recorded in {ckpt}: {e}") from e
 
 
-def verify_checkpoint(ckpt: str):
-    """Raise CheckpointError naming the problem if `ckpt` is not a complete checkpoint."""
+def read_manifest(ckpt: str) -> dict:
+    """{relative path: {"size": bytes, "crc32": hex or None}}; manifests of older checkpoints hold sizes only."""
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     manifest_path = os.path.join(ckpt, MANIFEST)
     if not os.path.exists(manifest_path):
         raise CheckpointError(f"{ckpt} has no {MANIFEST}: it was not completely written (or is not ours)")
     try:
-        manifest = json.load(open(manifest_path))
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+        return {rel: entry if isinstance(entry, dict) else {"size": int(entry), "crc32": None}
+                for rel, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
-    for rel, size in files.items():
+
+
+def verify_checkpoint(ckpt: str, checksums: bool = False, rank: int = 0, world: int = 1):
+    """Raise CheckpointError naming the problem if `ckpt` is not a complete checkpoint: every file present with its
+    size, and with `checksums` its CRC-32 (this rank reads every world-th file, so ranks share the reading)."""
+    files = read_manifest(ckpt)
+    for rel, entry in files.items():
         path = os.path.join(ckpt, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"checkpoint file {path} is missing")
         actual = os.path.getsize(path)
-        if actual != size:
-            raise CheckpointError(f"checkpoint file {path} is {actual} bytes, expected {size}: truncated or "
-                                  "overwritten")
+        if actual != entry["size"]:
+            raise CheckpointError(f"checkpoint file {path} is {actual} bytes, expected {entry['size']}: truncated "
+                                  "or overwritten")
+    if checksums:
+        for i, (rel, entry) in enumerate(sorted(files.items())):
+            if i % world != rank or not entry.get("crc32"):
+                continue
+            path = os.path.join(ckpt, rel)
+            actual = f"{file_crc32(path):08x}"
+            if actual != entry["crc32"]:
+                raise CheckpointError(f"checkpoint file {path} is corrupt: CRC-32 {actual}, the manifest records "
+                                      f"{entry['crc32']} (same size: changed on disk after saving); restore it or "
+                                      "load an earlier checkpoint")
+
+
+def _verify_on_all_ranks(ckpt: str, checksums: bool):
+    """verify_checkpoint with the checksum reading split over the ranks; every rank raises the same error."""
+    if not checksums or not dist.is_initialized() or dist.get_world_size() == 1:
+        verify_checkpoint(ckpt, checksums=checksums)
+        return
+    try:
+        verify_checkpoint(ckpt, checksums=True, rank=dist.get_rank(), world=dist.get_world_size())
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more problems found by other ranks)"
+                                             if len(problems) > 1 else ""))
+
+
+def _check_metadata(ckpt: str):
+    """Megatron-Core's loader meets a damaged .metadata with an assertion or an unpickling error that names no
+    file: read it first so the message does."""
+    path = os.path.join(ckpt, ".metadata")
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt ({type(e).__name__}: {e})") from None
+    if not hasattr(metadata, "state_dict_metadata"):
+        raise CheckpointError(f"checkpoint file {path} is corrupt: it holds a {type(metadata).__name__}, not "
+                              "torch.distributed.checkpoint metadata")
 
 
 def _mtp_attach(args, common: dict, ckpt: str, log) -> bool:
@@ -222,6 +397,67 @@ def _mtp_attach(args, common: dict, ckpt: str, log) -> bool:
                               "--mtp-attach to add fresh ones (the recipe attaches them mid-training) or "
                               "--mtp-num-layers 0")
     return False
+
+
+# Architecture fields that change the checkpoint's tensors (MTP layers are checked by _mtp_attach).
+_WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
+                  "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+                  "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "first_k_dense",
+                  "moe_router_enable_expert_bias", "untie_embeddings_and_output_weights")
+
+
+def _check_architecture(args, common: dict, ckpt: str):
+    """Name the flag whose value makes this run's model differ from the checkpoint's, before any tensor is read."""
+    from megatron_ext.arguments import _ARCH_FLAGS
+
+    saved_args = common.get("args") or {}
+    saved = saved_args.get("arch")
+    if not saved or not hasattr(args, "arch"):
+        return
+    flag_of = {field: flag for flag, (field, _, _) in _ARCH_FLAGS.items()}
+    flag_of.update(moe_router_enable_expert_bias="--moe-router-enable-expert-bias",
+                   untie_embeddings_and_output_weights="--untie-embeddings-and-output-weights")
+    diffs = [f"{flag_of[f]} {getattr(args.arch, f)} here, {saved.get(f)} in the checkpoint"
+             for f in _WEIGHT_FIELDS if f in saved and saved[f] != getattr(args.arch, f)]
+    saved_vocab = saved_args.get("padded_vocab_size")
+    if saved_vocab and getattr(args, "padded_vocab_size", saved_vocab) != saved_vocab:
+        diffs.append(f"--vocab-size {args.vocab_size} (padded to {args.padded_vocab_size}) here, "
+                     f"{saved.get('vocab_size')} (padded to {saved_vocab}) in the checkpoint")
+    if diffs:
+        raise CheckpointError(f"{ckpt} was saved with a different architecture: " + "; ".join(diffs)
+                              + ". Pass --use-checkpoint-args to take the checkpoint's architecture, or fix the flags")
+
+
+def _check_scheduler(args, scheduler, saved: dict, ckpt: str, log):
+    """Megatron-LM's rule: a schedule flag that differs from the checkpoint's is an error unless the run says which
+    one to use (--override-opt_param-scheduler: the flags; --use-checkpoint-opt_param-scheduler: the checkpoint)."""
+    gbs = args.global_batch_size
+    steps = lambda v: f"{v} samples ({v / gbs:g} iterations at --global-batch-size {gbs})"  # noqa: E731
+    fields = [("max_lr", "--lr", str), ("min_lr", "--min-lr", str), ("lr_decay_style", "--lr-decay-style", str),
+              ("lr_warmup_steps", "--lr-warmup-iters", steps), ("start_wd", "--weight-decay", str)]
+    # lengths that a constant schedule never reads (a longer run at constant lr/wd is no change of schedule)
+    if not (scheduler.lr_decay_style == saved.get("lr_decay_style") == "constant"):
+        fields.append(("lr_decay_steps", "--lr-decay-iters (default: --train-iters)", steps))
+    if not (scheduler.wd_incr_style == saved.get("wd_incr_style") == "constant"):
+        fields.append(("wd_incr_steps", "--train-iters", steps))
+    diffs = [f"{flag}: {show(getattr(scheduler, key))} here, {show(saved[key])} in the checkpoint"
+             for key, flag, show in fields if key in saved and getattr(scheduler, key) != saved[key]]
+    override = getattr(args, "override_opt_param_scheduler", False)
+    use_checkpoint = getattr(args, "use_checkpoint_opt_param_scheduler", False)
+    scheduler.override_opt_param_scheduler = override
+    scheduler.use_checkpoint_opt_param_scheduler = not override  # no difference left that it could hide
+    if not diffs:
+        return
+    if override:
+        log("--override-opt_param-scheduler: the learning-rate schedule follows the flags, not the checkpoint: "
+            + "; ".join(diffs))
+    elif use_checkpoint:
+        log("--use-checkpoint-opt_param-scheduler: the learning-rate schedule follows the checkpoint, not the "
+            "flags: " + "; ".join(diffs))
+    else:
+        raise CheckpointError(f"the learning-rate schedule of {ckpt} differs from the flags: " + "; ".join(diffs)
+                              + ". Pass --override-opt_param-scheduler to use the flags or "
+                              "--use-checkpoint-opt_param-scheduler to keep the checkpoint's (as Megatron-LM)")
 
 
 def _allocate_optimizer_state(optimizer):
@@ -250,13 +486,15 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         log(f"no checkpoint found under {root} ({TRACKER} missing): starting from scratch")
         return 0, {}
     ckpt = checkpoint_dir(root, iteration)
-    verify_checkpoint(ckpt)
+    _verify_on_all_ranks(ckpt, checksums=not getattr(args, "skip_checkpoint_checksums", False))
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
     except Exception as e:  # torch.load's errors do not say which checkpoint
         raise CheckpointError(f"cannot read the common state of {ckpt}: {e}") from e
     if common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt} has format version {common.get('format_version')}, expected {FORMAT_VERSION}")
+    _check_architecture(args, common, ckpt)
+    _check_metadata(ckpt)
     release = bool(common.get("release"))
     if release:
         log(f"{ckpt} is a converted checkpoint ({common.get('converted_from')}): loading weights only")
@@ -282,6 +520,7 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
     if attach:
         state["model"] = {k: v for k, v in state["model"].items() if not k.startswith("mtp.")}
+    state["model"] = drop_absent_extra_state(state["model"], ckpt)  # written by the other backend
     try:
         loaded = dist_checkpointing.load(state, ckpt)
     except Exception as e:
@@ -290,12 +529,26 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     missing = [k for k in missing if not (attach and k.startswith("mtp.")) and not k.endswith("_extra_state")]
     if missing or unexpected:
         raise CheckpointError(f"{ckpt} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups] if load_optim else []
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
     if scheduler is not None and common.get("opt_param_scheduler") and not weights_only:
+        _check_scheduler(args, scheduler, common["opt_param_scheduler"], ckpt, log)
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        # The optimizer's parameter groups carry their own max/min lr (what get_lr reads): restored from the
+        # checkpoint with the optimizer state, else the flags'. Make them follow the schedule chosen above.
+        if scheduler.override_opt_param_scheduler and flag_lrs:
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
+        elif not scheduler.override_opt_param_scheduler and optimizer is not None and not load_optim:
+            for group in optimizer.param_groups:
+                if group.get("max_lr") == args.lr:
+                    group["max_lr"] = scheduler.max_lr
+                if group.get("min_lr") == args.min_lr:
+                    group["min_lr"] = scheduler.min_lr
+        scheduler.step(increment=0)
     if load_rng:
         rng = loaded["rng_state"]
         _set_rng_state(rng.data if isinstance(rng, ShardedObject) else rng)

@@ -7,6 +7,7 @@ TensorBoard scalars, periodic and final checkpoints, resume, skipping NaN/Inf st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import signal
 import time
@@ -15,7 +16,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_ext import platform
+from megatron_ext.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
 from megatron_ext.training.step import build_scheduler, eval_step, setup_model_and_optimizer, train_step
 
 
@@ -30,6 +32,12 @@ def print_args(args: argparse.Namespace, log=print):
             continue
         log(f"  {key} {'.' * max(1, 48 - len(key))} {getattr(args, key)}")
     log("-------------------- end of arguments ---------------------")
+    arch = getattr(args, "arch", None)
+    if dataclasses.is_dataclass(arch):  # the architecture the flags resolved to (preset, checkpoint, overrides)
+        log("---------------------- architecture -----------------------")
+        for field in dataclasses.fields(arch):
+            log(f"  {field.name} {'.' * max(1, 48 - len(field.name))} {getattr(arch, field.name)}")
+        log("------------------- end of architecture -------------------")
 
 
 class _Sigterm:
@@ -43,7 +51,8 @@ class _Sigterm:
         self.received = True
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0])
+        # On the process group's device: NCCL rejects host tensors.
+        flag = torch.tensor([1.0 if self.received else 0.0], device=platform.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -137,6 +146,13 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     logger = _Logger(args, log)
     sigterm = _Sigterm()
+
+    def save(iteration: int):
+        t = time.perf_counter()
+        save_checkpoint(args, iteration, model, optimizer, scheduler)
+        log(f"saved checkpoint at iteration {iteration} to {checkpoint_dir(args.save, iteration)} "
+            f"({time.perf_counter() - t:.1f} s)", flush=True)
+
     skipped_total = skipped_in_row = 0
     saved_at = iteration if args.load else None
     try:
@@ -162,18 +178,18 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_iterator is not None:
                 evaluate(args, forward_step_func, valid_iterator, model, num_microbatches, logger, iteration)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                save_checkpoint(args, iteration, model, optimizer, scheduler)
+                save(iteration)
                 saved_at = iteration
             if sigterm.any_rank():
                 log(f"SIGTERM received: saving a checkpoint at iteration {iteration} and exiting", flush=True)
                 if args.save and saved_at != iteration:
-                    save_checkpoint(args, iteration, model, optimizer, scheduler)
+                    save(iteration)
                 return iteration
             if args.exit_interval and iteration % args.exit_interval == 0:
                 log(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})", flush=True)
                 break
         if args.save and saved_at != iteration:
-            save_checkpoint(args, iteration, model, optimizer, scheduler)
+            save(iteration)
         return iteration
     finally:
         sigterm.restore()

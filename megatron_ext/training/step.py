@@ -19,9 +19,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
+                                                     track_moe_metrics)
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megatron_ext import gpu
 from megatron_ext.models.provider import model_provider, transformer_config
 from megatron_ext.mtp import distill
 
@@ -30,6 +32,9 @@ def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
                 init_fn: Callable[[torch.nn.Module], None] | None = None) -> list[torch.nn.Module]:
     """This rank's model chunk; `init_fn` may rewrite its weights before DDP copies them into its buffers."""
     config = transformer_config(args)
+    # Megatron-Core sizes its process-wide aux-loss tracker by the first model's layer count; a later model in the
+    # same process (MTP attached, a reference policy, tests) may have more MoE layers.
+    get_moe_layer_wise_logging_tracker().clear()
     model = model_provider(
         args,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -42,8 +47,8 @@ def build_model(args: argparse.Namespace, wrap_ddp: bool = True,
         return [model]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **gpu.ddp_config_kwargs(args),
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()  # identical data-parallel replicas even if initialisation drew different numbers

@@ -50,11 +50,11 @@ def invariant_model(flags: list[str], world: int, seed: int):
 
 
 def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out: str, init_seed: int,
-            batches: list | None = None, param_grads: bool = False):
+            batches: list | None = None, param_grads: bool = False, full_grads: bool = False):
     join(rank, world, port)
     import megatron_ext  # noqa: F401
     from megatron_ext.arguments import parse_args
-    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.testing import gather_full_gradients, init_layout_invariant_
     from megatron_ext.training.initialize import destroy, initialize_distributed
     from megatron_ext.training.lm import forward_step, train_data_iterator
     from megatron_ext.training.step import setup_model_and_optimizer, train_step
@@ -71,6 +71,10 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
         if param_grads:  # rank 0's reduced gradient of each parameter (whole when nothing shards it)
             results[-1]["param_grads"] = {name: float(p.main_grad.double().norm())
                                           for name, p in model[0].named_parameters()}
+        if full_grads:  # every parameter's reduced gradient at its one-rank shape, keyed by checkpoint key
+            grads = gather_full_gradients(model[0].module)
+            if rank == 0:
+                torch.save(grads, f"{out}.grads{iteration}.pt")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -78,18 +82,23 @@ def _worker(rank: int, world: int, port: int, flags: list[str], steps: int, out:
 
 
 def run_layout(flags: list[str], world: int, steps: int = 2, init_seed: int = 1,
-               batches: list | None = None, param_grads: bool = False) -> list[dict]:
+               batches: list | None = None, param_grads: bool = False, full_grads: bool = False) -> list[dict]:
     """Train `steps` steps with `flags` on `world` gloo ranks; returns per-step losses and grad norms.
 
     `batches[i]` (optional) lists the micro-batches of step i, given to every rank (layouts without data
     parallelism); otherwise the entry script's mock data is used. `param_grads` adds rank 0's gradient norm of
-    every parameter per step."""
+    every parameter per step; `full_grads` adds "full_grads": {checkpoint key: the step's reduced gradient at its
+    one-rank shape} (gathered over all ranks; not with the distributed optimizer, whose buffers hold a shard)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _free_port(), flags, steps, out, init_seed, batches, param_grads,
+                                          full_grads), nprocs=world, join=True, start_method="spawn")
         with open(out) as f:
-            return json.load(f)
+            results = json.load(f)
+        if full_grads:
+            for iteration, r in enumerate(results):
+                r["full_grads"] = torch.load(f"{out}.grads{iteration}.pt")
+        return results
 
 
 def _entry_worker(rank: int, world: int, port: int, argv: list[str]):

@@ -103,21 +103,34 @@ def _serving_worker(rank: int, world: int, port: int, flags: list[str], out_dir:
     import urllib.request
 
     from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.inference.reload import CheckpointReload
     from megatron_ext.inference.server import ModelParallelServing, ModelService, serve
     from megatron_ext.training.initialize import destroy
 
-    _, model = invariant_model(flags, world, seed=2)
-    service = ModelService(InferenceEngine(model), "tiny", peers=ModelParallelServing(heartbeat=0.2))
+    args, model = invariant_model(flags, world, seed=2)
+    reloader = CheckpointReload(args, model)
+    reloader.validate = lambda path: path  # the checks themselves are tested on one rank (tests/unit/test_server.py)
+
+    def load(path):  # rank 0 overwrites its weights as a load does; rank 1 fails on "bad"
+        if path == "bad" and rank == 1:
+            raise OSError("rank one's disk failed")
+        if path == "bad":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+
+    reloader.load = load
+    service = ModelService(InferenceEngine(model), "tiny", reload=reloader, peers=ModelParallelServing(heartbeat=0.2))
     if rank != 0:
         service.peers.follow(service)
         destroy()
         return
     server = serve(service, "127.0.0.1", 0)
     service.peers.keep_alive(service)
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
 
-    def post(body):
-        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    def post(body, path="/v1/completions"):
+        request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
                 return r.status, json.load(r)
@@ -132,6 +145,11 @@ def _serving_worker(rank: int, world: int, port: int, flags: list[str], out_dir:
     results["bad"] = post({"prompt": [10 ** 9], "max_tokens": 4})  # an id outside the vocabulary: 400
     results["sampled"] = post({"prompt": PROMPTS[1], "max_tokens": 6})  # unseeded: the ranks agree on a seed
     results["speculative"] = post(dict(greedy, speculative=True))
+    results["n"] = post(dict(greedy, n=2, temperature=1.0, seed=3))
+    results["n_alone"] = [post(dict(greedy, temperature=1.0, seed=3 + j)) for j in range(2)]
+    results["reload_bad"] = post({"load": "bad"}, "/v1/reload")  # fails on rank 1 only: reported, all restore
+    results["after_bad"] = post(greedy)
+    results["reload_good"] = post({"load": "good"}, "/v1/reload")
     results["again"] = post(greedy)
     server.shutdown()
     service.peers.stop(service)
@@ -147,11 +165,18 @@ def test_tensor_parallel_server_serves_what_one_rank_generates(reference):
         with open(os.path.join(tmp, "served.json")) as f:
             results = json.load(f)
     want = reference["greedy_batch"][0]
-    for key in ("first", "speculative", "again"):
+    for key in ("first", "speculative", "after_bad", "again"):
         status, body = results[key]
         assert status == 200, body
         choice = body["choices"][0]
         assert choice["token_ids"] == want["ids"], key
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), key
+    status, body = results["reload_bad"]
+    assert status == 500 and "rank 1: OSError: rank one's disk failed" in body["error"]["message"]
+    assert results["after_bad"][1]["weights_version"] == 0
+    assert results["reload_good"] == [200, {"status": "ok", "weights_version": 1, "load": "good"}]
+    assert results["again"][1]["weights_version"] == 1
+    assert [c["token_ids"] for c in results["n"][1]["choices"]] == [
+        r[1]["choices"][0]["token_ids"] for r in results["n_alone"]]
     assert results["bad"][0] == 400 and "outside the vocabulary" in results["bad"][1]["error"]["message"]
     assert results["sampled"][0] == 200 and len(results["sampled"][1]["choices"][0]["token_ids"]) == 6

@@ -131,5 +131,9 @@ def test_train_tokenizer_cli_writes_both_formats(tmp_path, capsys):
     assert "600 ids (16 special" in capsys.readouterr().out
     hf, tk = HFTokenizer(out), TikTokenizer(out)
     assert hf.vocab_size == tk.vocab_size == 600 and hf.special_tokens == tk.special_tokens
-    assert tool.main(["--input", corpus, "--vocab-size", "100", "--output", out]) == 2
+    assert tool.main(["--input", corpus, "--vocab-size", "100", "--output", out, "--tiktoken"]) == 2
     assert "--vocab-size 100" in capsys.readouterr().err
+    # without --tiktoken the earlier tiktoken.model would be left disagreeing with a new tokenizer.json
+    assert tool.main(["--input", corpus, "--vocab-size", "600", "--output", out]) == 2
+    assert "tiktoken.model is left from an earlier run" in capsys.readouterr().err
+    assert TikTokenizer(out).vocab_size == 600

@@ -3,6 +3,7 @@ parameters, raw and sampled log-probabilities, groups sharing one prefill, finis
 routing as Megatron-Core's router chooses it, in-process weight updates, padded-vocabulary masking."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -216,3 +217,56 @@ def test_padded_vocabulary_ids_are_never_sampled(setup):
         engine.generate([[100]], SamplingParams())
     with pytest.raises(ValueError, match="does not fit"):
         InferenceEngine(model, vocab_size=model.vocab_size + 1)
+
+
+def test_groups_of_different_sizes_and_token_callbacks(setup):
+    eng, _, _ = setup
+    prompts = [_prompt(60, 4), _prompt(61, 6)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=2)
+    seen = []
+    groups = eng.generate_groups(prompts, [1, 3], params, on_token=lambda row, token, lp: seen.append((row, token, lp)))
+    assert [len(g) for g in groups] == [1, 3]
+    flat = [c for g in groups for c in g]
+    for row, c in enumerate(flat):
+        mine = [(t, lp) for r, t, lp in seen if r == row]
+        assert [t for t, _ in mine] == c.token_ids and [lp for _, lp in mine] == c.logprobs
+    assert groups[1][2].token_ids == eng.generate([prompts[1]], dataclasses.replace(params, seed=4))[0].token_ids
+
+
+def _reference_distribution(logits, temperature, top_k, top_p):
+    """Temperature, top-k, top-p written out token by token (no shared code with the engine)."""
+    if temperature == 0:
+        out = [0.0] * len(logits)
+        out[max(range(len(logits)), key=lambda i: logits[i])] = 1.0
+        return out
+    scores = [x / temperature for x in logits]
+    keep = set(range(len(scores)))
+    if top_k:
+        kth = sorted(scores, reverse=True)[top_k - 1]
+        keep = {i for i in keep if scores[i] >= kth}
+    if top_p < 1:
+        z = sum(math.exp(scores[i]) for i in keep)
+        chosen, mass = set(), 0.0
+        for i in sorted(keep, key=lambda i: -scores[i]):
+            if mass >= top_p:
+                break
+            chosen.add(i)
+            mass += math.exp(scores[i]) / z
+        keep = chosen
+    z = sum(math.exp(scores[i]) for i in keep)
+    return [math.exp(scores[i]) / z if i in keep else 0.0 for i in range(len(scores))]
+
+
+def test_row_sampling_distributions_match_a_direct_implementation():
+    from megatron_ext.inference.engine import row_sampling_probs
+
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.5, 8, 0.8), (0.0, 0, 1.0)]
+    t, k, p = (torch.tensor(v, dtype=d) for v, d in zip(zip(*rows), (torch.float64, torch.long, torch.float64)))
+    got = row_sampling_probs(logits, torch.where(t > 0, t, 1.0), k, p, t == 0)
+    for row, (temperature, top_k, top_p) in enumerate(rows):
+        want = _reference_distribution(logits[row].tolist(), temperature, top_k, top_p)
+        assert got[row].tolist() == pytest.approx(want, abs=1e-12)
+    plain = row_sampling_probs(logits[:2], torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
+                               torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bool))
+    assert plain.tolist()[1] == pytest.approx(_reference_distribution(logits[1].tolist(), 1.0, 0, 1.0), abs=1e-12)

@@ -1,26 +1,68 @@
-"""The flag files under examples/ parse and validate for the layouts they are written for."""
+"""The flag files under examples/ parse and validate for the layouts they are written for, and the K2.5 ones use a
+layout the planner says fits (with its 10 % headroom) on the cluster they name, close to its fastest."""
 
 import glob
 import os
+import re
 
 import pytest
 
+from megatron_ext import planning
 from megatron_ext.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORLD = {"kimi-k2.5": 64, "tiny": 2}
+K25 = sorted(glob.glob(os.path.join(ROOT, "examples", "kimi-k2.5", "*.args")))
+SBATCH = os.path.join(ROOT, "examples", "slurm", "composer_stage.sbatch")
+
+
+def _cluster(path) -> tuple[int, int, str]:
+    """(nodes, GPUs per node, GPU) from the file's '# cluster: N nodes x G gpu' line."""
+    m = re.search(r"^# cluster: (\d+) nodes x (\d+) (\w+)$", open(path).read(), re.M)
+    assert m, f"{path} names no cluster ('# cluster: N nodes x G gpu')"
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def _world(path) -> int:
+    if os.path.basename(os.path.dirname(path)) == "tiny":
+        return 2
+    nodes, per_node, _ = _cluster(path)
+    return nodes * per_node
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "examples", "*", "*.args"))),
                          ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "examples")))
 def test_flag_file_parses(path):
     family = os.path.basename(os.path.dirname(path))
-    args = parse_args([f"@{path}", "--dry-run"], world_size=WORLD[family])
+    args = parse_args([f"@{path}", "--dry-run"], world_size=_world(path))
     stage = os.path.basename(path).split("-")[0].split(".")[0]
     assert args.stage == stage
     if family == "kimi-k2.5":
-        assert args.arch.num_experts == 384 and args.expert_model_parallel_size == 8
-        assert args.context_parallel_size >= 2
+        assert args.arch.num_experts == 384 and args.context_parallel_size >= 2
+
+
+@pytest.mark.parametrize("path", K25, ids=os.path.basename)
+def test_kimi_layout_fits_and_is_near_the_fastest(path):
+    nodes, per_node, gpu_name = _cluster(path)
+    args = parse_args([f"@{path}", "--dry-run"], world_size=nodes * per_node)
+    mtp = args.arch.mtp_num_layers or (0 if args.stage == "pretrain" else 1)  # later stages load MTP layers
+    model = args.arch.replace(mtp_num_layers=mtp)
+    work = planning.Workload(args.seq_length, args.global_batch_size, args.micro_batch_size,
+                             distributed_optimizer=args.use_distributed_optimizer,
+                             overlap_dp=args.overlap_grad_reduce)
+    gpu = planning.GPUS[gpu_name]
+    chosen = planning.estimate(model, planning.layout_of(args), gpu, work)
+    assert chosen.fits, f"{path}: {chosen.total_gib:.0f} GiB per GPU of {gpu.memory_gib}"
+    best = planning.plan(model, gpu, nodes * per_node, work)[0]
+    assert chosen.tokens_per_s >= 0.95 * best.tokens_per_s, (chosen.layout.describe(), best.layout.describe())
+
+
+def test_sbatch_template_names_the_flag_files_cluster():
+    text = open(SBATCH).read()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    per_node = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M).group(1))
+    assert re.search(rf"--nproc-per-node {per_node}\b", text)
+    assert {_cluster(p)[:2] for p in K25} == {(nodes, per_node)}
+    assert all(_cluster(p)[2].upper() in text for p in K25)
 
 
 def test_flags_after_a_file_override_it():

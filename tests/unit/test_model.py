@@ -45,7 +45,7 @@ def test_kimi_k25_dry_run_counts():
     out = subprocess.run([sys.executable, "-W", "ignore", "pretrain_composer.py", "--model", "kimi-k2.5", "--dry-run"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = dict(line.split(": ") for line in out.stdout.strip().splitlines())
+    lines = dict(line.split(": ") for line in out.stdout.strip().splitlines() if " parameters" in line)
     assert int(lines["total parameters"]) == total
     assert int(lines["active parameters per token"]) == active
 

@@ -1,5 +1,6 @@
 """The CPU bridge: idempotent, complete for what Megatron-Core calls, and off when CUDA is present."""
 
+import os
 import subprocess
 import sys
 
@@ -70,22 +71,66 @@ def test_te_only_branches_are_off():
     assert moe_utils.te_general_gemm is None
 
 
-def test_no_bridge_when_cuda_is_present():
-    """With CUDA available, install() must not touch torch.cuda or Megatron-Core (checked in a fresh process)."""
+def test_no_cuda_bridge_when_cuda_is_present():
+    """With CUDA but without Transformer Engine and apex (checked in a fresh process): torch.cuda untouched and no
+    device mode, but the TE bridge is on (the router's `te_general_gemm` NameError) and one line says which fast
+    paths are off."""
     code = (
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "before = torch.cuda.current_device\n"
         "from megatron_ext import platform\n"
         "assert platform.install() is False\n"
+        "assert platform.install() is False\n"
         "assert not platform.bridge_needed() and platform.dist_backend() == 'nccl'\n"
         "assert torch.cuda.current_device is before\n"
         "from torch.overrides import _get_current_function_mode_stack as s\n"
         "assert not s()\n"
         "import megatron.core.transformer.moe.moe_utils as u\n"
-        "assert not hasattr(u, 'te_general_gemm')\n"
+        "import megatron.core.transformer.multi_latent_attention as m\n"
+        "assert u.te_general_gemm is None and m.HAVE_TE is False\n"
         "print('untouched')\n"
     )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "untouched" in out.stdout
+    notes = [line for line in out.stdout.splitlines() if "fast paths off" in line]
+    assert len(notes) == 1, out.stdout
+    assert "without Transformer Engine and apex" in notes[0] and "FP8" in notes[0] and "fused Adam" in notes[0]
+
+
+def test_bridges_keyed_on_what_is_missing():
+    assert platform.needed_bridges(cuda=True, te=True, apex=True) == []
+    assert platform.needed_bridges(cuda=True, te=False, apex=True) == ["te"]
+    assert platform.needed_bridges(cuda=True, te=True, apex=False) == []
+    assert platform.needed_bridges(cuda=True, te=False, apex=False) == ["te", "torch_optimizer"]
+    # without a usable GPU, installed TE/apex count as missing too
+    assert platform.needed_bridges(cuda=False, te=True, apex=True) == ["cuda", "te", "torch_optimizer"]
+    assert "fused Adam (torch's AdamW steps)" not in platform.fast_paths_off(te=False, apex=True)
+    assert platform.fast_paths_off(te=True, apex=True) == []
+
+
+def test_force_cpu_takes_the_cpu_path_everywhere():
+    """MEGATRON_EXT_FORCE_CPU=1 on a GPU machine with TE installed: CPU device, gloo, local backend, TE refused,
+    every bridge on (checked in a fresh process with CUDA and TE pretended present)."""
+    code = (
+        "import importlib.util, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: object() if n == 'transformer_engine' else real(n, *a)\n"
+        "from megatron_ext import platform\n"
+        "assert platform.install() is True and platform.te_installed()\n"
+        "assert platform.device() == torch.device('cpu') and platform.dist_backend() == 'gloo'\n"
+        "assert not platform.te_available() and platform.default_transformer_impl() == 'local'\n"
+        "assert torch.zeros(1, device='cuda').device.type == 'cpu'\n"
+        "from megatron_ext.arguments import parse_args, ArgumentError\n"
+        "try:\n"
+        "    parse_args(['--transformer-impl', 'transformer_engine'], world_size=1)\n"
+        "except ArgumentError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = dict(os.environ, MEGATRON_EXT_FORCE_CPU="1")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert "refused: --transformer-impl transformer_engine needs" in out.stdout

@@ -10,6 +10,9 @@ import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.training import stages
 from megatron_ext.training.checkpointing import read_tracker
+from megatron_ext.data.sft import render_chat
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.training import lm
 from megatron_ext.training.lm import window_loss
 from tests.unit.data_fixtures import preprocessed, small_corpus, trained_tokenizer
 
@@ -87,17 +90,42 @@ def test_an_interrupted_stage_resumes_from_its_own_checkpoints(tmp_path, pretrai
     assert entry.main(flags) == 0 and read_tracker(save) == 4
 
 
-def test_sft_stage_trains_on_chats_from_the_previous_stage(tmp_path, pretrained):
+def _chat(i):
+    return [{"role": "user", "content": f"what is {i} + {i}?"}, {"role": "assistant", "content": f"{i} + {i} = {2 * i}"}]
+
+
+def test_sft_stage_trains_on_chats_from_the_previous_stage(tmp_path, pretrained, monkeypatch):
+    """The stage trains (and validates) on packed rows whose loss mask covers exactly the assistant tokens: each
+    answer and its <|im_end|>, nothing of the user turns, headers or padding."""
     chats = tmp_path / "chat.jsonl"
     with open(chats, "w") as f:
         for i in range(24):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
-                                             {"role": "assistant", "content": f"{i} + {i} = {2 * i}"}]}) + "\n")
+            f.write(json.dumps({"messages": _chat(i)}) + "\n")
+    seen = []
+
+    def recording_step(data_iterator, model):
+        raw = next(data_iterator)
+        seen.append(raw)
+        return lm.forward_step(iter([raw]), model)
+
+    monkeypatch.setattr(entry, "forward_step", recording_step)
     save = str(tmp_path / "sft")
     code = entry.main(["--stage", "sft", "--model", "tiny", "--load", pretrained["save"], "--save", save,
                        "--data-path", str(chats), "--tokenizer-model", pretrained["tok"], "--split", "90,10,0",
-                       "--micro-batch-size", "2", "--train-iters", "3", "--log-interval", "1"])
+                       "--micro-batch-size", "2", "--train-iters", "3", "--log-interval", "1", "--eval-interval",
+                       "3", "--eval-iters", "1"])
     assert code == 0 and read_tracker(save) == 3
+    tok = build_tokenizer("HFTokenizer", pretrained["tok"])
+    header, end = tok.token_id("<|im_assistant|>"), "<|im_end|>"
+    assert len(seen) == 3 + 1 and all("cu_seqlens" in b for b in seen)  # 3 one-micro-batch steps + 1 evaluation
+    for batch in seen:
+        for tokens, labels, mask in zip(batch["tokens"], batch["labels"], batch["loss_mask"]):
+            trained = labels[mask.bool()].tolist()
+            answers = tok.decode(trained).split(end)
+            assert answers[-1] == "" and len(answers) - 1 == int((tokens == header).sum()) > 0
+            numbers = [int(a.split(" + ")[0]) for a in answers[:-1]]
+            assert answers[:-1] == [f"{i} + {i} = {2 * i}" for i in numbers]
+            assert len(trained) == sum(render_chat(tok, _chat(i)).trained_tokens for i in numbers)
 
 
 def test_yarn_extension_keeps_short_context_loss_close(pretrained, capsys):

@@ -76,7 +76,8 @@ def test_interrupted_save_keeps_previous_latest(tmp_path):
     os.makedirs(partial)
     with open(os.path.join(partial, "__0_0.distcp"), "wb") as f:
         f.write(b"\0" * 10)
-    code, resumed = run(tmp_path, "b", "--train-iters", "3", "--save", save, "--load", save)
+    code, resumed = run(tmp_path, "b", "--train-iters", "3", "--save", save, "--load", save,
+                        "--use-checkpoint-opt_param-scheduler")
     assert code == 0
     assert sorted(resumed["lm loss"]) == [3]
     assert read_tracker(save) == 3
@@ -110,6 +111,10 @@ def test_corrupt_contents_are_reported(tmp_path, capsys):
     with open(common, "r+b") as f:  # same size, garbage inside: only reading can tell
         f.write(b"\xff" * size)
     code, _ = run(tmp_path, "b", "--train-iters", "2", "--load", save)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"{common} is corrupt: CRC-32" in err  # the manifest's checksum sees it first
+    code, _ = run(tmp_path, "c", "--train-iters", "2", "--load", save, "--skip-checkpoint-checksums")
     assert code == 1
     err = capsys.readouterr().err
     assert "cannot read the common state" in err and checkpoint_dir(save, 1) in err
@@ -201,10 +206,11 @@ def test_mtp_attach_adds_fresh_layers_to_a_checkpoint_without_them(tmp_path, cap
     assert run(tmp_path, "plain", "--train-iters", "2", "--mtp-num-layers", "0", "--save", save)[0] == 0
     code, _ = run(tmp_path, "refused", "--train-iters", "3", "--load", save)
     assert code == 1 and "--mtp-attach" in capsys.readouterr().err
-    code, tb = run(tmp_path, "attached", "--train-iters", "4", "--load", save, "--mtp-attach")
+    keep = "--use-checkpoint-opt_param-scheduler"  # --train-iters grows, so the default decay length changes
+    code, tb = run(tmp_path, "attached", "--train-iters", "4", "--load", save, "--mtp-attach", keep)
     assert code == 0
     assert sorted(tb["mtp_1 distill loss"]) == [3, 4] and "mtp_1 top1 agreement" in tb
-    code, _ = run(tmp_path, "twice", "--train-iters", "5", "--load", save, "--mtp-attach", "--save", save)
+    code, _ = run(tmp_path, "twice", "--train-iters", "5", "--load", save, "--mtp-attach", "--save", save, keep)
     assert code == 0  # the checkpoint it saved at iteration 5 now has MTP layers: a second attach is refused
-    code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach")
+    code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach", keep)
     assert code == 1 and "already has 1 MTP layer" in capsys.readouterr().err

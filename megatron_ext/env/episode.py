@@ -1,0 +1,363 @@
+"""One agentic coding episode: a task, an agent, a sandbox, tools, grading in a fresh sandbox, reward parts.
+
+    task.repo --copy (no .git)--> agent sandbox /workspace
+    loop (at most task.max_turns): agent.act(messages, TOOL_SCHEMAS) -> assistant message
+         each tool call -> Toolbox -> observation (a tool message); finish(...) or a turn without calls ends it
+    grading: files the task forbids that changed are restored from the original repository (and counted) ->
+             a fresh sandbox gets the restored workspace plus the hidden tests -> test_command -> exit code, output
+    reward: rewards.score(EpisodeFacts, weights) -> parts and total
+
+The episode speaks messages (OpenAI chat shape: what tools/serve.py and the Kimi-K2 chat template exchange); an
+agent is anything with ``act(messages, tools) -> assistant message``, so scripted agents, a remote
+OpenAI-compatible server and a local checkpoint take the same path. Nothing the agent sends raises: malformed
+calls become error observations and a failing agent ends the episode with status ``agent_error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, score
+from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
+from megatron_ext.env.tasks import Task
+from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
+
+SYSTEM_PROMPT = (
+    "You are a coding agent. The repository is at /workspace (your working directory); there is no network. "
+    "Use the tools to read, search, edit and run code. Keep a todo list for multi-step work. When you are done, "
+    "call finish with a short message saying what you changed and how you checked it.")
+SUMMARY_REQUEST = (
+    "Your context is getting long. Summarise your progress for yourself: what you found, what you changed and "
+    "where, what is left and what to do next. Reply with the summary only, without tool calls; the conversation "
+    "will continue from it.")
+
+
+class Agent(Protocol):
+    def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        """The next assistant message: {"content", optional "reasoning_content", optional "tool_calls"}."""
+
+
+def approx_tokens(text: str) -> int:
+    """Token count estimate (4 bytes a token) when no tokenizer is given."""
+    return math.ceil(len(text.encode()) / 4)
+
+
+@dataclass
+class EpisodeConfig:
+    sandbox: BubblewrapConfig = field(default_factory=BubblewrapConfig)
+    tools: ToolLimits = field(default_factory=ToolLimits)
+    weights: Optional[dict] = None                       # a rewards config (WeightFile.current()); None: defaults
+    count_tokens: Callable[[str], int] = approx_tokens
+    summarize_at: Optional[int] = None                   # context tokens past which the agent summarises
+    summary_chars: int = 8000                            # longest summary carried into the next segment
+    grading_output_bytes: int = 16 << 20
+
+
+@dataclass
+class EpisodeResult:
+    task_id: str
+    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error" | "abandoned"
+    messages: list                   # the last segment's transcript
+    calls: list
+    grading: dict
+    reward: dict
+    counts: dict
+    wall_s: float
+    error: Optional[str] = None
+    segments: list = field(default_factory=list)  # earlier transcripts, each ended by a summary (self-summarising)
+
+    def to_json(self) -> dict:
+        return {"task": self.task_id, "status": self.status, "error": self.error, "wall_s": round(self.wall_s, 3),
+                "transcript": self.messages, "summarized_segments": self.segments,
+                "tool_calls": [c.to_json() for c in self.calls],
+                "grading": self.grading, "counts": self.counts, "reward": self.reward}
+
+
+def _normalise(message, call_index: int) -> dict:
+    """An agent's reply as a transcript message; tool-call ids default to Kimi's functions.NAME:INDEX."""
+    if not isinstance(message, dict):
+        raise TypeError(f"the agent returned {type(message).__name__}, not a message object")
+    out = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = str(message["reasoning_content"])
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        name = fn.get("name") if isinstance(fn.get("name"), str) else ""
+        arguments = fn.get("arguments", "")
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        calls.append({"id": call.get("id") or f"functions.{name}:{call_index + len(calls)}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def snapshot(folder: str) -> dict[str, tuple]:
+    """relative path -> ("file", bytes) | ("link", target) of everything under folder except .git."""
+    out = {}
+    for base, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != ".git" or base != folder]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                out[rel] = ("link", os.readlink(path))
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    out[rel] = ("file", f.read())
+    return out
+
+
+def changed_paths(before: dict, after: dict) -> list[str]:
+    """Paths added, removed or changed between two snapshots."""
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
+def _text(entry) -> Optional[str]:
+    if entry is None:
+        return ""
+    if entry[0] != "file" or b"\0" in entry[1][:8192]:
+        return None
+    try:
+        return entry[1].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def clear_path(root: str, rel: str) -> str:
+    """The host path of root/rel, made safe to write as a regular file: any symlink or file standing where a folder
+    of the path should be, and whatever occupies the path itself, is removed first. Host-side writes into a
+    workspace the agent shaped (restoring files, laying hidden tests over it) go through here, so a symlink the
+    agent planted can never redirect them outside the workspace."""
+    parts = os.path.normpath(rel).split(os.sep)
+    if os.path.isabs(rel) or ".." in parts:
+        raise ValueError(f"{rel}: not a path inside the workspace")
+    current = root
+    for name in parts[:-1]:
+        current = os.path.join(current, name)
+        if os.path.islink(current) or (os.path.exists(current) and not os.path.isdir(current)):
+            os.unlink(current)
+        if not os.path.exists(current):
+            os.mkdir(current)
+    path = os.path.join(current, parts[-1])
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):  # a FIFO, socket or device node
+        os.unlink(path)
+    return path
+
+
+def _restore(workspace: str, rel: str, entry):
+    path = clear_path(workspace, rel)
+    if entry is None:
+        return
+    if entry[0] == "link":
+        os.symlink(entry[1], path)
+    else:
+        with open(path, "wb") as f:
+            f.write(entry[1])
+
+
+def overlay(folder: str, workspace: str):
+    """Copy every file under folder into workspace at the same relative path (see clear_path)."""
+    for rel, entry in sorted(snapshot(folder).items()):
+        _restore(workspace, rel, entry)
+
+
+class Session:
+    """One episode driven step by step: `messages` so far, `apply(reply)` runs a reply's tool calls, `finish()`
+    grades and scores (and frees the sandbox). The agent loop (`run_episode`) and the token-level wrapper for RL
+    (`megatron_ext/env/token_env.py`) both drive a Session, so they share every rule.
+
+    Self-summarisation (``config.summarize_at``): once the context passes that many tokens, the next message the
+    agent gets is SUMMARY_REQUEST; its reply is the summary, which closes the segment: the conversation restarts
+    from the system prompt and the instruction plus the summary, the todo list and the files changed so far
+    (``restarted`` is set). Every segment is a generation of the same episode and shares its final reward."""
+
+    def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
+        self.task, self.config = task, config or EpisodeConfig()
+        self.start = time.monotonic()
+        self.status: Optional[str] = None  # set when the episode has ended
+        self.error: Optional[str] = None
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": task.instruction}]
+        self.result: Optional[EpisodeResult] = None
+        self.segments: list[list[dict]] = []
+        self.turn_count = 0
+        self.summarizing = False   # the last message asks for a summary
+        self.restarted = False     # the last apply() closed a segment: messages is a new conversation
+        self.segment_start_tokens = 0
+        self.box = BubblewrapSandbox(task.repo, self.config.sandbox)
+        try:
+            if os.path.isdir(task.repo):
+                self.pristine = snapshot(task.repo)
+            else:
+                with tempfile.TemporaryDirectory(prefix="megatron-env-pristine-") as folder:
+                    copy_source(task.repo, folder)
+                    self.pristine = snapshot(folder)
+        except BaseException:
+            self.box.close()
+            raise
+        self.toolbox = Toolbox(self.box, dataclasses.replace(self.config.tools,
+                                                             command_timeout_s=task.command_timeout_s))
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
+
+    def all_messages(self) -> list[dict]:
+        return [m for segment in self.segments for m in segment] + self.messages
+
+    def context_tokens(self) -> int:
+        count = self.config.count_tokens
+        return sum(count(m.get("content") or "") + count(m.get("reasoning_content") or "") +
+                   sum(count(c["function"]["name"] + c["function"]["arguments"]) for c in m.get("tool_calls", []))
+                   for m in self.messages)
+
+    def apply(self, reply) -> list[dict]:
+        """Append the agent's reply, run its tool calls in order (up to finish), return the tool messages."""
+        if self.done:
+            raise RuntimeError(f"episode {self.task.id} has ended ({self.status})")
+        try:
+            reply = _normalise(reply, len(self.toolbox.calls))
+        except (TypeError, AttributeError) as e:
+            self.fail(e)
+            return []
+        self.turn_count += 1
+        self.restarted = False
+        self.messages.append(reply)
+        if self.summarizing:
+            self._restart(reply["content"])
+            return []
+        if not reply.get("tool_calls"):
+            self.status = "no_tool_calls"
+            return []
+        out = []
+        for call in reply["tool_calls"]:
+            record = self.toolbox.call(call["function"]["name"], call["function"]["arguments"], call["id"])
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": record.observation})
+            if self.toolbox.finished is not None:
+                self.status = "finished"
+                break
+        self.messages += out
+        if not self.done and self.turn_count >= self.task.max_turns:
+            self.status = "max_turns"
+        summarize_at = self.config.summarize_at
+        context = self.context_tokens() if summarize_at else 0
+        # a new segment summarises again only after it has grown by half the budget (no summary loops)
+        if not self.done and summarize_at and context > summarize_at and \
+                context - self.segment_start_tokens > summarize_at // 2:
+            self.summarizing = True
+            request = {"role": "user", "content": SUMMARY_REQUEST}
+            self.messages.append(request)
+            out.append(request)
+        return out
+
+    def _restart(self, summary: str):
+        """Close the segment with the agent's summary; the next conversation starts from it and the task state."""
+        self.segments.append(self.messages)
+        self.summarizing, self.restarted = False, True
+        changed = changed_paths(self.pristine, snapshot(self.box.workspace))
+        todos = "\n".join(f"{t.id}. [{'x' if t.done else ' '}] {t.item}" for t in self.toolbox.todos) or "(empty)"
+        state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
+                 f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
+                 f"## Todo list\n{todos}\n\n## Files changed so far\n{chr(10).join(changed) or '(none)'}")
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": state}]
+        self.segment_start_tokens = self.context_tokens()
+        if self.turn_count >= self.task.max_turns:
+            self.status = "max_turns"
+
+    def fail(self, error: BaseException):
+        """The agent could not produce a reply: the episode ends (and is still graded)."""
+        self.status, self.error = "agent_error", f"{type(error).__name__}: {error}"
+
+    def finish(self) -> EpisodeResult:
+        """Grade in a fresh sandbox, score, remove the sandbox; idempotent."""
+        if self.result is not None:
+            return self.result
+        if self.status is None:
+            self.status = "abandoned"
+        try:
+            final_message = self.toolbox.finished
+            if final_message is None and self.status == "no_tool_calls":
+                final_message = self.messages[-1]["content"]  # a plain reply ends the episode and is its message
+            grading, facts = self._grade(final_message)
+        finally:
+            self.close()
+        result = score(facts, self.config.weights or DEFAULT_WEIGHTS)
+        self.result = EpisodeResult(self.task.id, self.status, self.messages, self.toolbox.calls, grading,
+                                    result.to_json(), facts.counts, time.monotonic() - self.start, self.error,
+                                    self.segments)
+        return self.result
+
+    def close(self):
+        self.box.close()
+
+    def _grade(self, final_message: Optional[str]):
+        box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
+        final = snapshot(box.workspace)
+        changed = changed_paths(pristine, final)
+        # a glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)
+        forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) or fnmatch.fnmatch(p + "/", g)
+                                               for g in self.task.forbidden)]
+        for rel in forbidden:
+            _restore(box.workspace, rel, pristine.get(rel))
+        changes = {}
+        for rel in changed:
+            if rel not in forbidden:
+                old, new = _text(pristine.get(rel)), _text(final.get(rel))
+                if old is not None and new is not None:
+                    changes[rel] = (old, new)
+        sandbox = self.config.sandbox
+        grading_config = dataclasses.replace(sandbox, limits=dataclasses.replace(
+            sandbox.limits, output_bytes=self.config.grading_output_bytes))
+        with BubblewrapSandbox(box.workspace, grading_config) as grader:
+            if self.task.hidden_tests:
+                overlay(self.task.hidden_tests, grader.workspace)
+            r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
+        grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
+                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden}
+        count = self.config.count_tokens
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        counts = {
+            "thinking_tokens": sum(count(m.get("reasoning_content", "")) for m in assistant),
+            "tool_call_tokens": sum(count(c["function"]["name"] + c["function"]["arguments"])
+                                    for m in assistant for c in m.get("tool_calls", [])),
+            "tool_output_tokens": sum(count(m["content"]) for m in messages if m["role"] == "tool"),
+            "message_tokens": sum(count(m["content"]) for m in assistant),
+            "tool_calls": len(toolbox.calls),
+            "turns": len(assistant),
+        }
+        facts = EpisodeFacts(test_exit_code=r.exit_code, test_output=r.output, changes=changes,
+                             final_message=final_message, calls=[(c.name, c.arguments) for c in toolbox.calls],
+                             invalid_calls=toolbox.invalid_calls, unfinished_todos=toolbox.unfinished_todos,
+                             forbidden_edits=forbidden, counts=counts)
+        return grading, facts
+
+
+def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
+    """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
+    session = Session(task, config)
+    try:
+        while not session.done:
+            try:
+                reply = agent.act([dict(m) for m in session.messages], TOOL_SCHEMAS)
+            except Exception as e:  # a broken agent or server ends this episode, not the run
+                session.fail(e)
+                break
+            session.apply(reply)
+        return session.finish()
+    finally:
+        session.close()

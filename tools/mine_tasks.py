@@ -1,0 +1,65 @@
+"""Mine repository tasks from git checkouts, directories or sdists with tests: feature deletion, and (--commits N)
+reverting recent commits that changed code and tests.
+
+    python tools/mine_tasks.py REPO_OR_SDIST... --out tasks/suite.jsonl [--max-tasks 10] [--commits 50]
+    pip download --no-binary :all: --no-deps PKG==VERSION -d sdists && python tools/mine_tasks.py sdists/*.tar.gz \
+        --out tasks/pkg.jsonl
+
+Each accepted task was verified: its test command fails on the agent's starting code and passes on the reference. Task
+folders (the agent's repository and the hidden tests) go to OUT's folder under OUT_STEM.d/; what was skipped is
+printed with its reason. See megatron_ext/env/mining.py.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.env.mining import MineConfig, Miner, write_tasks  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sources", nargs="+", help="directories (git checkouts included) or sdist .tar.gz files")
+    p.add_argument("--out", required=True, help="the task suite to write (.jsonl)")
+    p.add_argument("--max-tasks", type=int, default=10, help="tasks per source")
+    p.add_argument("--max-candidates", type=int, default=20, help="functions tried per source")
+    p.add_argument("--min-body-lines", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="limit of one test-suite run")
+    p.add_argument("--commits", type=int, default=0,
+                   help="also mine 'revert a commit' tasks from the last N commits of each git checkout")
+    args = p.parse_args(argv)
+    if not args.out.endswith(".jsonl"):
+        print("error: --out must name a .jsonl file", file=sys.stderr)
+        return 2
+    missing = [s for s in args.sources if not os.path.exists(s)]
+    if missing:
+        print(f"error: no such source(s): {missing}", file=sys.stderr)
+        return 2
+    base = os.path.dirname(os.path.abspath(args.out))
+    assets = os.path.abspath(args.out)[: -len(".jsonl")] + ".d"
+    os.makedirs(assets, exist_ok=True)
+    config = MineConfig(min_body_lines=args.min_body_lines, max_candidates=args.max_candidates,
+                        max_tasks=args.max_tasks, timeout_s=args.timeout_s)
+    config.sandbox.limits.wall_s = args.timeout_s
+    miner = Miner(config, log=lambda m: print(m, file=sys.stderr))
+    tasks, skipped = [], []
+    for source in args.sources:
+        found, why = miner.mine(source, assets, task_base=base)
+        tasks += found
+        skipped += why
+        if args.commits and os.path.isdir(os.path.join(source, ".git")):
+            found, why = miner.mine_commits(source, assets, args.commits, task_base=base)
+            tasks += found
+            skipped += why
+    write_tasks(args.out, tasks)
+    for what, reason in skipped:
+        print(json.dumps({"skipped": what, "reason": reason}), file=sys.stderr)
+    print(f"{len(tasks)} tasks written to {args.out}; {len(skipped)} candidates skipped", file=sys.stderr)
+    return 0 if tasks else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
