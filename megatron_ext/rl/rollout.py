@@ -94,6 +94,10 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
             routing[i][j] = sample.routing
             used = sum(len(s.token_ids) for s in episodes[i][j] if s.trainable)
             result = envs[i][j].step(sample.token_ids)
+            if getattr(result, "restart", False):
+                raise ValueError("the environment restarted the episode in a new sequence (self-summarisation); "
+                                 "RL episodes here are one sequence each: run the environment without "
+                                 "self-summarisation until chained rollouts are supported")
             if result.done:
                 finish[i][j] = sample.finish_reason
             elif turn >= cfg.max_turns or used >= budget:
