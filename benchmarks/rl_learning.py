@@ -12,8 +12,8 @@ Steps: write prompt files (tools/make_rl_prompts.py; the SFT and RL prompts are 
 occurs in either); supervised warm-up (`rl_composer.py --rl-sft-warmup`, one rank); RL from that checkpoint
 (`torchrun --nproc-per-node 2 rl_composer.py --load SFT --finetune`), evaluating held-out success (mean over K
 samples per prompt) and pass@K every few steps with 95% Wilson intervals; greedy held-out accuracy of the
-warm-up and of the RL result (the level that sharpening alone reaches; above it, RL improved the rule itself). Writes the curve to
-docs/rl_learning.png (unless --plot '') and prints a markdown summary for docs/benchmarks.md.
+warm-up and of the RL result (the level that sharpening alone reaches; above it, RL improved the rule itself).
+Writes the curve to docs/rl_learning.png (unless --plot '') and prints a markdown summary for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def main(argv=None):
             ax.fill_between(steps, lo, hi, alpha=0.2)
         for g, x, marker in ((greedy_before, steps[0], "s"), (greedy_after, steps[-1], "D")):
             gc = g["heldout success ci"]
-            ax.errorbar([x], [g["heldout success"]], yerr=[[g["heldout success"] - gc[0]], [gc[1] - g["heldout success"]]],
+            y = g["heldout success"]
+            ax.errorbar([x], [y], yerr=[[y - gc[0]], [gc[1] - y]],
                         fmt=marker, color="black", capsize=3, label="greedy" if x == steps[0] else None)
         ax.set_xlabel(f"RL step ({a.prompts_per_step} prompts x {a.group_size} samples)")
         ax.set_ylabel(f"held-out success ({a.heldout} prompts)")
