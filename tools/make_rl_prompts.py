@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.rl.env import OPS, digit_tasks, write_prompts  # noqa: E402
+from megatron_ext.rl.env import DEFAULT_OPS, OPS, digit_tasks, write_prompts  # noqa: E402
 
 
 def main(argv=None):
@@ -19,7 +19,7 @@ def main(argv=None):
     p.add_argument("--train", type=int, default=2000, help="training prompts")
     p.add_argument("--heldout", type=int, default=200, help="held-out prompts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--ops", nargs="+", default=DEFAULT_OPS, choices=list(OPS))
     p.add_argument("--min-len", type=int, default=3)
     p.add_argument("--max-len", type=int, default=6)
     a = p.parse_args(argv)

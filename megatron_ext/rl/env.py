@@ -5,9 +5,11 @@ environment); `reset(task)` gives the first prompt, `step(model_tokens)` the nex
 episode, `score()` the reward parts. Rewards are small named callables composed by a `Rubric` with weights; a
 part that raises makes the sample score as failed (total 0) with the error recorded, and the run goes on.
 
-Digit tasks (`DigitTasks`): "reverse", "sort" or "copy" a short digit string, answer checked exactly. A tiny model
-learns them in minutes on a CPU; the generator is deterministic (task i of a split is a function of the seed and
-i) and the two splits partition the task space by a hash of (op, input).
+Digit tasks: "reverse", "sort" or "copy" a short digit string (sequence answers), or name its "max", "min",
+"first" or "last" digit (one-digit answers: a rule a tiny model generalises from few examples over input spaces
+far too large to memorise); answers checked exactly. A tiny model learns them in minutes on a CPU; the generator is
+deterministic (task i of a split is a function of the seed and i) and the two splits partition the task space by a
+hash of (op, input).
 """
 
 from __future__ import annotations
@@ -82,16 +84,20 @@ def parse_weights(text: str) -> dict[str, float]:
 # digit transformations
 # ---------------------------------------------------------------------------------------------------------
 
-OPS = {"reverse": lambda s: s[::-1], "sort": lambda s: "".join(sorted(s)), "copy": lambda s: s}
+SEQUENCE_OPS = {"reverse": lambda s: s[::-1], "sort": lambda s: "".join(sorted(s)), "copy": lambda s: s}
+DIGIT_OPS = {"max": max, "min": min, "first": lambda s: s[0], "last": lambda s: s[-1]}  # one-digit answers
+OPS = {**SEQUENCE_OPS, **DIGIT_OPS}
+DEFAULT_OPS = list(SEQUENCE_OPS)  # digit_tasks' and tools/make_rl_prompts.py's default
 
 
 class DigitVocab:
-    """Token ids of the digit tasks: specials, the op names, '=' and the ten digits (ids below 32)."""
+    """Token ids of the digit tasks: specials, '=', the sequence ops, the ten digits, the one-digit ops (ids below
+    32; the one-digit ops come last so the ids of the earlier tokens, and checkpoints trained on them, stay)."""
 
     SPECIALS = ["<pad>", "<bos>", "<eos>", "="]
 
     def __init__(self):
-        self.items = self.SPECIALS + list(OPS) + [str(d) for d in range(10)]
+        self.items = self.SPECIALS + list(SEQUENCE_OPS) + [str(d) for d in range(10)] + list(DIGIT_OPS)
         self.ids = {s: i for i, s in enumerate(self.items)}
         self.bos, self.eos, self.eq = self.ids["<bos>"], self.ids["<eos>"], self.ids["="]
 
@@ -180,7 +186,7 @@ def digit_tasks(split: str, count: int, seed: int = 0, ops: Optional[list[str]] 
 
     The splits partition the task space (`is_heldout`), so held-out tasks never occur in training and follow the
     same distribution of operations and lengths (up to the one-in-ten subsampling)."""
-    ops = ops or list(OPS)
+    ops = ops or DEFAULT_OPS
     for op in ops:
         if op not in OPS:
             raise ValueError(f"unknown digit op {op!r}; known: {sorted(OPS)}")

@@ -49,6 +49,29 @@ def test_digit_tasks_are_deterministic_and_heldout_is_disjoint():
         assert t["answer"] == E.OPS[t["op"]](t["input"])
 
 
+def test_one_digit_ops_answer_by_rule_and_keep_earlier_token_ids():
+    tasks = E.digit_tasks("train", 400, seed=5, ops=["max", "min", "first", "last"], min_len=5, max_len=8)
+    expect = {"max": lambda s: str(max(int(c) for c in s)), "min": lambda s: str(min(int(c) for c in s)),
+              "first": lambda s: s[0], "last": lambda s: s[-1]}
+    assert {t["op"] for t in tasks} == set(expect) and {len(t["input"]) for t in tasks} == {5, 6, 7, 8}
+    for t in tasks:
+        assert t["answer"] == expect[t["op"]](t["input"]) and not E.is_heldout(t["op"], t["input"])
+    # the sequence ops and digits keep their ids (checkpoints of the earlier tasks stay valid); all ids < 32
+    assert E.VOCAB.items[4:17] == ["reverse", "sort", "copy"] + [str(d) for d in range(10)] and len(E.VOCAB) <= 32
+    t = {"op": "max", "input": "30871", "answer": "8"}
+    assert E.prompt_tokens(t) == [E.VOCAB.bos, E.VOCAB.ids["max"], 10, 7, 15, 14, 8, E.VOCAB.eq]
+    env = E.DigitEnv()
+    env.reset(t)
+    env.step(E.answer_tokens(t))
+    assert env.score().parts["exact"] == 1.0
+    env.reset(t)
+    env.step(E.VOCAB.encode_digits("87") + [E.VOCAB.eos])  # an extra digit is wrong
+    assert env.score().parts["exact"] == 0.0
+    assert E.digit_tasks("train", 5, seed=5) == E.digit_tasks("train", 5, seed=5, ops=E.DEFAULT_OPS)
+    with pytest.raises(ValueError, match="unknown digit op 'mean'"):
+        E.digit_tasks("train", 1, ops=["mean"])
+
+
 def test_rubric_scores_parts_and_records_a_failing_reward():
     task = {"id": "x", "op": "reverse", "input": "123", "answer": "321"}
     right = E.VOCAB.encode_digits("321") + [E.VOCAB.eos]
