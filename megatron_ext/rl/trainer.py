@@ -241,6 +241,7 @@ class RLTrainer:
             groups += self.ledger.take(len(new))
         elif admitted:
             tasks = [self.by_id[p] for p in admitted]
+            self._sync_reward_weights(self.iteration + 1)
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
                                   seed=args.seed * 1_000_003 + self.iteration * 7919)
@@ -307,6 +308,16 @@ class RLTrainer:
         last = results[-1]
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
                 "skipped": any(r["skipped"] for r in results)}
+
+    def _sync_reward_weights(self, step: int):
+        """An environment factory with editable reward weights (`read_weights(step)`, `use_weights(config)`: the
+        coding family's weights file) takes them before the step's rollouts are scored: rank 0 reads (a change is
+        logged with the step it takes effect at), every rank scores the step with the same weights."""
+        if not hasattr(self.make_env, "read_weights"):
+            return
+        box = [self.make_env.read_weights(step) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.make_env.use_weights(box[0])
 
     def publish_weights(self):
         """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
@@ -406,7 +417,9 @@ def _fault(point: str, iteration: int):
 
 def _success(rollout) -> float:
     parts = rollout.reward.parts
-    return float(parts.get("exact", rollout.reward.total > 0) >= 1.0) if rollout.reward.error is None else 0.0
+    if rollout.reward.error is not None:
+        return 0.0
+    return float(parts.get("exact", parts.get("correctness", rollout.reward.total > 0)) >= 1.0)
 
 
 def _wilson(p: float, n: int, z: float = 1.96) -> list[float]:
