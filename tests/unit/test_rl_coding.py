@@ -1,0 +1,200 @@
+"""RL in the agentic coding environment (rl_composer.py --rl-env coding): the adapter's episodes are token sequences
+that equal the rendered transcript, with the model's turns (and only them) trained on; a tiny random model trains
+a few steps over repository tasks through rl_composer.py; reward weights follow an edited weights file from the
+step the edit is read at."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.data.sft import IM_END, render_chat
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.env.arguments import add_env_args
+from megatron_ext.env.demo import ORACLE, make_task
+from megatron_ext.env.episode import SYSTEM_PROMPT
+from megatron_ext.env.rewards import DEFAULT_WEIGHTS
+from megatron_ext.env.tools import TOOL_SCHEMAS
+from megatron_ext.rl.coding import CodingEnvFactory, read_coding_tasks
+from megatron_ext.rl.rollout import EpisodeConfig, Sampling, run_groups
+from megatron_ext.rl.types import Sample
+from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PENALTIES = ("invalid_calls", "repeated_calls", "unfinished_todos", "forbidden_edits")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tok"))
+    return trained_tokenizer(d, small_corpus(d), vocab_size=1024)
+
+
+def _suite(root, n: int) -> str:
+    """n copies of the demo task (implement calc.add) under distinct ids, as a JSONL suite."""
+    lines = []
+    for i in range(n):
+        with open(make_task(os.path.join(root, f"t{i}"), id=f"calc-add-{i}")) as f:
+            task = json.load(f)
+        task.update(repo=f"t{i}/repo", hidden_tests=f"t{i}/hidden")  # relative to the suite file
+        lines.append(json.dumps(task))
+    path = os.path.join(root, "suite.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _env_args(argv):
+    p = argparse.ArgumentParser()
+    add_env_args(p)
+    return p.parse_args(argv)
+
+
+def _prompt(tokenizer, instruction):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
+    return render_chat(tokenizer, messages, tools=TOOL_SCHEMAS, add_generation_prompt=True).ids
+
+
+class OracleGenerate:
+    """A GenerateFn that plays the demo task's oracle: turn t of every episode is ORACLE[t] as the tokens a model
+    emits (the tool call and <|im_end|>); the turn is read off the context (two <|im_end|> per finished turn)."""
+
+    def __init__(self, tokenizer, instruction):
+        self.im_end = tokenizer.token_id(IM_END)
+        base = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
+        self.prompt = _prompt(tokenizer, instruction)
+        self.turns = []
+        for i, action in enumerate(ORACLE):
+            reply = {"role": "assistant", "content": "", "tool_calls": [{
+                "id": f"functions.{action['name']}:{i}", "type": "function",
+                "function": {"name": action["name"], "arguments": json.dumps(action["arguments"])}}]}
+            self.turns.append(render_chat(tokenizer, base + [reply], tools=TOOL_SCHEMAS).ids[len(self.prompt):])
+
+    def __call__(self, prompts, n, sampling):
+        out = []
+        for ctx in prompts:
+            turn = (ctx.count(self.im_end) - self.prompt.count(self.im_end)) // 2
+            ids = self.turns[turn]
+            out.append([Sample(list(ids), [-0.5] * len(ids), [-0.5] * len(ids), [0] * len(ids), "stop")
+                        for _ in range(n)])
+        return out
+
+
+def test_oracle_episodes_are_the_rendered_transcript_and_score_correct(tmp_path, tokenizer_dir):
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    tasks = read_coding_tasks(_suite(str(tmp_path), 1))
+    boxes = tmp_path / "boxes"
+    factory = CodingEnvFactory(_env_args(["--env-sandbox-dir", str(boxes)]), tokenizer, log=lambda *a: None)
+    made = []
+
+    def make_env():
+        made.append(factory())
+        return made[-1]
+
+    gen = OracleGenerate(tokenizer, tasks[0]["instruction"])
+    cfg = EpisodeConfig(2, Sampling(max_tokens=512, stop_token_ids=factory.stop_token_ids), max_turns=12,
+                        max_response_length=8192)
+    [group] = run_groups(tasks, make_env, gen, cfg)
+    assert len(group.rollouts) == 2 and group.advantages == [0.0, 0.0]
+    for rollout, env in zip(group.rollouts, made):
+        transcript = env.env.result.messages
+        # one sequence: the rendered transcript up to the last tool observation (no observation after finish)
+        assert rollout.token_ids == render_chat(tokenizer, transcript[:-1], tools=TOOL_SCHEMAS).ids
+        assert rollout.token_ids[:len(gen.prompt)] == gen.prompt
+        t = rollout.per_token()
+        model = [tok for tok, m in zip(rollout.token_ids, t["loss_mask"]) if m]
+        assert model == [tok for turn in gen.turns for tok in turn]  # exactly the model's turns are trained on
+        assert [s.trainable for s in rollout.segments] == [False, True] * len(ORACLE)
+        assert tokenizer.decode(rollout.segments[-1].token_ids).count("finish") == 1
+        assert rollout.finish_reason == "stop" and rollout.reward.error is None
+        parts = rollout.reward.parts
+        assert parts["correctness"] == 1.0 and all(parts[p] == 0.0 for p in PENALTIES)
+        w = DEFAULT_WEIGHTS["weights"]
+        assert rollout.reward.total == pytest.approx(sum(w[k] * v for k, v in parts.items()))
+    assert os.listdir(boxes) == []  # every sandbox copy removed once scored
+
+
+def test_weights_file_changes_take_effect_at_the_step_they_are_read(tmp_path, tokenizer_dir):
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps({"weights": {"communication": 0.3}}))
+    logged = []
+    factory = CodingEnvFactory(_env_args(["--env-reward-weights", str(path), "--env-reward-weight", "style=-1"]),
+                               tokenizer, log=logged.append)
+    assert factory().env.config.weights["weights"]["communication"] == 0.3
+    assert factory.read_weights(3)["weights"]["communication"] == 0.3  # unchanged file: nothing new logged
+    path.write_text(json.dumps({"weights": {"communication": 0.7}}))
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    config = factory.read_weights(5)
+    assert [step for step, _ in factory.weight_file.changes] == [0, 5]
+    assert "step 5" in logged[-1] and len(logged) == 2
+    assert config["weights"]["communication"] == 0.7 and config["weights"]["style"] == -1.0  # overrides kept
+    assert factory().env.config.weights["weights"]["communication"] == 0.3  # until the trainer hands it over
+    factory.use_weights(config)
+    assert factory().env.config.weights["weights"]["communication"] == 0.7
+
+
+def _composer():
+    spec = importlib.util.spec_from_file_location("rl_composer_main", os.path.join(ROOT, "rl_composer.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--rl-env coding needs --tokenizer-model"),
+    (["--tokenizer-model", "TOK", "--env-summarize-at", "100"], "--env-summarize-at"),
+    (["--tokenizer-model", "TOK", "--rl-sft-warmup"], "--rl-sft-warmup"),
+    (["--tokenizer-model", "TOK", "--rl-reward-weights", "exact=1"], "--env-reward-weight"),
+    (["--tokenizer-model", "TOK", "--seq-length", "512"], "raise --seq-length"),
+])
+def test_bad_coding_flags_fail_early_and_name_the_flag(tmp_path, tokenizer_dir, capsys, extra, message):
+    suite = _suite(str(tmp_path), 1)
+    extra = [tokenizer_dir if a == "TOK" else a for a in extra]
+    code = _composer().main(["--rl-env", "coding", "--model", "tiny", "--rl-prompts", suite, *extra])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_tiny_model_trains_over_coding_tasks_through_rl_composer(tmp_path, tokenizer_dir):
+    suite, logs, boxes = _suite(str(tmp_path), 2), tmp_path / "logs", tmp_path / "boxes"
+    weights = tmp_path / "weights.json"
+    weights.write_text(json.dumps({"weights": {"communication": 0.3, "length": -0.002}}))
+    flags = ["--rl-env", "coding", "--model", "tiny", "--tokenizer-model", tokenizer_dir, "--rl-prompts", suite,
+             "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+             "--grpo-group-size", "2", "--grpo-prompts-per-step", "1", "--grpo-max-response-length", "16",
+             "--grpo-kl-beta", "0", "--lr", "1e-3", "--train-iters", "5", "--rl-log-dir", str(logs),
+             "--env-sandbox-dir", str(boxes), "--env-reward-weights", str(weights)]
+    p = subprocess.run([sys.executable, "-W", "ignore", "rl_composer.py", *flags], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "all 2 prompts of --rl-prompts trained once: stopping at iteration 2" in p.stdout
+    assert "reward correctness" in p.stdout and "reward weights: step 0 takes" in p.stdout
+    trained = [json.loads(line) for line in open(logs / "trained_groups.jsonl")]
+    assert sorted(r["prompt_id"] for r in trained) == ["calc-add-0", "calc-add-1"]
+    assert [r["step"] for r in trained] == [1, 2]
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    tasks = {t["id"]: t for t in read_coding_tasks(suite)}
+    im_end = tokenizer.token_id(IM_END)
+    rollouts = [json.loads(line) for line in open(logs / "rollouts.jsonl")]
+    assert len(rollouts) == 2 * 2
+    w = {**DEFAULT_WEIGHTS["weights"], "communication": 0.3, "length": -0.002}
+    for r in rollouts:
+        prompt = _prompt(tokenizer, tasks[r["prompt_id"]]["instruction"])
+        assert r["token_ids"][:len(prompt)] == prompt
+        model = r["token_ids"][len(prompt):]
+        # a random model writes one turn of text without a tool call (the episode ends) or is cut at the budget
+        assert 1 <= len(model) <= 16 and r["loss_mask"] == [0] * len(prompt) + [1] * len(model)
+        assert im_end not in model[:-1] and (r["finish_reason"] == "stop") == (model[-1] == im_end)
+        assert all(lp <= 0 for lp, m in zip(r["logprobs"], r["loss_mask"]) if m)
+        assert r["versions"] == [-1] * len(prompt) + [r["step"] - 1] * len(model)
+        parts = r["reward_parts"]
+        assert r["reward_error"] is None and parts["correctness"] == 0.0 and parts["tests_fraction"] == 0.0
+        assert all(parts[p] == 0.0 for p in PENALTIES)  # no tool calls, so none invalid, repeated or forbidden
+        assert r["reward"] == pytest.approx(sum(w[k] * v for k, v in parts.items()))  # the file's weights
+    assert os.listdir(boxes) == []
