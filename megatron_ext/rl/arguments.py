@@ -96,10 +96,6 @@ def validate_rl_args(args: argparse.Namespace):
         if args.rl_reward_weights:
             fail("--rl-reward-weights names digit reward parts; for --rl-env coding use --env-reward-weights FILE "
                  "or --env-reward-weight NAME=W")
-        if getattr(args, "env_summarize_at", None) is not None:
-            fail("--env-summarize-at: self-summarisation restarts an episode in a new sequence, and RL episodes are "
-                 "one sequence each for now (chained rollouts sharing the final reward are not implemented); drop "
-                 "the flag for RL and bound episodes with --grpo-max-response-length")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 

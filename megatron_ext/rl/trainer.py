@@ -265,10 +265,10 @@ class RLTrainer:
             if cfg.loss.kl_estimator == "k1":
                 sums = k1_sums(mbs, ref, len(samples))
                 k = 0
-                for g in groups:
+                for g in groups:  # the KL of a chained episode is summed over its sequences
                     n = len(g.rollouts)
-                    g.advantages = group_advantages(kl_penalised(g.rewards, sums[k:k + n], cfg.loss.kl_beta),
-                                                    cfg.std_normalize).tolist()
+                    g.set_advantages(group_advantages(kl_penalised(g.episode_rewards(), g.episode_sums(sums[k:k + n]),
+                                                                   cfg.loss.kl_beta), cfg.std_normalize))
                     k += n
                 metrics["k1 sequence sum"] = float(np.mean(sums))
                 samples = self._samples(groups)

@@ -149,7 +149,6 @@ def _composer():
 
 @pytest.mark.parametrize("extra, message", [
     ([], "--rl-env coding needs --tokenizer-model"),
-    (["--tokenizer-model", "TOK", "--env-summarize-at", "100"], "--env-summarize-at"),
     (["--tokenizer-model", "TOK", "--rl-sft-warmup"], "--rl-sft-warmup"),
     (["--tokenizer-model", "TOK", "--rl-reward-weights", "exact=1"], "--env-reward-weight"),
     (["--tokenizer-model", "TOK", "--seq-length", "512"], "raise --seq-length"),
@@ -198,3 +197,58 @@ def test_tiny_model_trains_over_coding_tasks_through_rl_composer(tmp_path, token
         assert all(parts[p] == 0.0 for p in PENALTIES)  # no tool calls, so none invalid, repeated or forbidden
         assert r["reward"] == pytest.approx(sum(w[k] * v for k, v in parts.items()))  # the file's weights
     assert os.listdir(boxes) == []
+
+
+class ChainEnv:
+    """Restarts its episode once (self-summarisation): turn 1 closes the prompt [1, 2]'s sequence and [3, 4, 5]
+    starts the next; turn 2 gets the observation [7]; turn 3 ends. Reward: the env's creation index (0, 1, ..)."""
+
+    made = 0
+
+    def __init__(self):
+        self.index, ChainEnv.made = ChainEnv.made, ChainEnv.made + 1
+
+    def reset(self, task):
+        self.turns = 0
+        return [1, 2]
+
+    def step(self, model_tokens):
+        from megatron_ext.env.token_env import StepResult
+
+        self.turns += 1
+        return {1: StepResult([3, 4, 5], False, restart=True), 2: StepResult([7], False)}.get(
+            self.turns, StepResult([], True))
+
+    def score(self):
+        from megatron_ext.rl.types import Reward
+
+        return Reward({"index": float(self.index)}, float(self.index))
+
+
+def _counting_generate(prompts, n, sampling):
+    """Answers two tokens, both the context's length + 20."""
+    return [[Sample([20 + len(p)] * 2, [-0.5] * 2, [-0.5] * 2, [0] * 2, "stop") for _ in range(n)] for p in prompts]
+
+
+def test_self_summarisation_chains_are_sequences_sharing_the_episode_reward():
+    from megatron_ext.rl.ledger import group_from_json, group_to_json
+
+    ChainEnv.made = 0
+    [group] = run_groups([{"id": "a"}], ChainEnv, _counting_generate, EpisodeConfig(2, Sampling(max_tokens=4),
+                                                                                     max_turns=5, max_response_length=16))
+    assert [(r.sample_index, r.sequence_index) for r in group.rollouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    first, second = group.rollouts[:2]
+    assert first.token_ids == [1, 2, 22, 22] and first.per_token()["loss_mask"].tolist() == [0, 0, 1, 1]
+    # the next sequence starts from the environment's new prompt; its turns see only this sequence's context
+    assert second.token_ids == [3, 4, 5, 23, 23, 7, 26, 26]
+    assert second.per_token()["loss_mask"].tolist() == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert group.rewards == [0.0, 0.0, 1.0, 1.0] and group.advantages == [-0.5, -0.5, 0.5, 0.5]
+    assert group.episode_rewards().tolist() == [0.0, 1.0]
+    assert group.episode_sums([1, 2, 3, 4]).tolist() == [3.0, 7.0]  # k1 of an episode: summed over its chain
+    back = group_from_json(json.loads(json.dumps(group_to_json(group))))
+    assert [r.sequence_index for r in back.rollouts] == [0, 1, 0, 1] and back.advantages == group.advantages
+    # turns count over the whole episode: two turns allowed end it in the second sequence
+    [cut] = run_groups([{"id": "a"}], ChainEnv, _counting_generate, EpisodeConfig(1, Sampling(max_tokens=4),
+                                                                                   max_turns=2, max_response_length=16))
+    assert [r.finish_reason for r in cut.rollouts] == ["stop", "length"]
+    assert cut.rollouts[1].token_ids == [3, 4, 5, 23, 23]
