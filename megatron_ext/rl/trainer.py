@@ -135,7 +135,9 @@ def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
-    rewards = np.array([r for g in groups for r in g.rewards])
+    """Step metrics; rewards and their parts per episode (a self-summarisation chain counts once)."""
+    rewards = np.concatenate([g.episode_rewards() for g in groups])
+    firsts = [r for g in groups for r in g.rollouts if r.sequence_index == 0]
     adv = np.array([a for g in groups for a in g.advantages])
     lengths = np.array([r.response_length for g in groups for r in g.rollouts])
     out = {"reward mean": float(rewards.mean()), "reward std": float(rewards.std()),
@@ -143,10 +145,11 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
            "advantage mean": float(adv.mean()), "advantage abs mean": float(np.abs(adv).mean()),
            "response length mean": float(lengths.mean()), "response length max": float(lengths.max()),
            "truncation rate": float(np.mean([r.finish_reason == "length" for g in groups for r in g.rollouts])),
-           "reward errors": float(np.mean([r.reward.error is not None for g in groups for r in g.rollouts]))}
-    parts = sorted({k for g in groups for r in g.rollouts for k in r.reward.parts})
+           "reward errors": float(np.mean([r.reward.error is not None for r in firsts])),
+           "sequences per episode": sum(len(g.rollouts) for g in groups) / len(firsts)}
+    parts = sorted({k for r in firsts for k in r.reward.parts})
     for name in parts:
-        out[f"reward {name}"] = float(np.mean([r.reward.parts.get(name, 0.0) for g in groups for r in g.rollouts]))
+        out[f"reward {name}"] = float(np.mean([r.reward.parts.get(name, 0.0) for r in firsts]))
     return out
 
 
@@ -333,7 +336,8 @@ class RLTrainer:
         episode = EpisodeConfig(cfg.eval_samples, sampling, cfg.max_turns, cfg.max_response_length)
         groups = generate_groups(cfg.eval_tasks, self.make_env, self.generate, episode, False,
                                  seed=12345 + self.args.seed)
-        success = np.array([[_success(r) for r in g.rollouts] for g in groups], dtype=np.float64)
+        success = np.array([[_success(r) for r in g.rollouts if r.sequence_index == 0] for g in groups],
+                           dtype=np.float64)  # one per episode: a chain's sequences share its reward
         out = {"heldout success": float(success.mean()), "heldout pass@k": float(success.max(1).mean())}
         n_s, n_p = success.size, len(groups)
         out["heldout success ci"] = _wilson(out["heldout success"], n_s)

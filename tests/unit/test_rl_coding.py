@@ -18,7 +18,7 @@ from megatron_ext.data.sft import IM_END, render_chat
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.env.arguments import add_env_args
 from megatron_ext.env.demo import ORACLE, make_task
-from megatron_ext.env.episode import SYSTEM_PROMPT
+from megatron_ext.env.episode import SUMMARY_REQUEST, SYSTEM_PROMPT
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS
 from megatron_ext.env.tools import TOOL_SCHEMAS
 from megatron_ext.rl.coding import CodingEnvFactory, read_coding_tasks
@@ -118,6 +118,50 @@ def test_oracle_episodes_are_the_rendered_transcript_and_score_correct(tmp_path,
         w = DEFAULT_WEIGHTS["weights"]
         assert rollout.reward.total == pytest.approx(sum(w[k] * v for k, v in parts.items()))
     assert os.listdir(boxes) == []  # every sandbox copy removed once scored
+
+
+class SummarizingOracle(OracleGenerate):
+    """One episode at a time: the oracle's next action each turn, and a plain-text summary (closed by <|im_end|>)
+    whenever the environment asks for one."""
+
+    SUMMARY = "I read calc/__init__.py and added a todo; next: implement add and run it."
+
+    def __init__(self, tokenizer, instruction):
+        super().__init__(tokenizer, instruction)
+        self.tokenizer, self.next, self.summaries = tokenizer, 0, 0
+
+    def __call__(self, prompts, n, sampling):
+        [ctx] = prompts
+        if SUMMARY_REQUEST[:40] in self.tokenizer.decode(ctx[-200:]):
+            ids, self.summaries = self.tokenizer.encode(self.SUMMARY) + [self.im_end], self.summaries + 1
+        else:
+            ids, self.next = self.turns[self.next], self.next + 1
+        return [[Sample(list(ids), [-0.5] * len(ids), [-0.5] * len(ids), [0] * len(ids), "stop")]]
+
+
+def test_self_summarising_oracle_is_a_chain_of_sequences_with_the_final_reward(tmp_path, tokenizer_dir):
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    tasks = read_coding_tasks(_suite(str(tmp_path), 1))
+    boxes = tmp_path / "boxes"
+    factory = CodingEnvFactory(_env_args(["--env-sandbox-dir", str(boxes), "--env-summarize-at", "150"]),
+                               tokenizer, log=lambda *a: None)
+    gen = SummarizingOracle(tokenizer, tasks[0]["instruction"])
+    [group] = run_groups(tasks, factory, gen, EpisodeConfig(1, Sampling(max_tokens=512), max_turns=30,
+                                                            max_response_length=8192))
+    chain = group.rollouts
+    assert gen.summaries >= 1 and len(chain) == gen.summaries + 1 and gen.next == len(ORACLE)
+    assert [r.sequence_index for r in chain] == list(range(len(chain))) and {r.sample_index for r in chain} == {0}
+    summary = tokenizer.encode(SummarizingOracle.SUMMARY) + [gen.im_end]
+    for r in chain[:-1]:  # each closed sequence ends with the model's summary turn
+        assert r.segments[-1].trainable and r.segments[-1].token_ids == summary
+    for r in chain[1:]:  # ... and the next starts from the instruction, the summary and the task state
+        text = tokenizer.decode(r.segments[0].token_ids)
+        assert r.segments[0].trainable is False and "Summary of your work so far" in text
+        assert SummarizingOracle.SUMMARY in text and "implement calc.add" in text  # the todo item carried over
+    model_turns = [s.token_ids for r in chain for s in r.segments if s.trainable]
+    assert [t for t in model_turns if t != summary] == gen.turns  # every oracle turn trained on, once
+    assert chain[0].reward.parts["correctness"] == 1.0 and all(r.reward == chain[0].reward for r in chain)
+    assert group.advantages == [0.0] * len(chain) and os.listdir(boxes) == []
 
 
 def test_weights_file_changes_take_effect_at_the_step_they_are_read(tmp_path, tokenizer_dir):
