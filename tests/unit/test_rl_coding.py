@@ -1,7 +1,7 @@
 """RL in the agentic coding environment (rl_composer.py --rl-env coding): the adapter's episodes are token sequences
-that equal the rendered transcript, with the model's turns (and only them) trained on; a tiny random model trains
-a few steps over repository tasks through rl_composer.py; reward weights follow an edited weights file from the
-step the edit is read at."""
+that equal the rendered transcript, with the model's turns (and only them) trained on; self-summarisation makes a
+chain of sequences sharing the episode's reward; a tiny random model trains a few steps over tasks mined from a git
+repository through rl_composer.py; reward weights follow an edited weights file from the step the edit is read at."""
 
 from __future__ import annotations
 
