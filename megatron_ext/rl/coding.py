@@ -54,6 +54,10 @@ class CodingRLEnv:
         s = self.env.score()
         return Reward(dict(s.parts), float(s.total), s.error)
 
+    def close(self):
+        """Kill the episode's processes and remove its sandbox copy (the rollout loop calls it when it fails)."""
+        self.env.close()
+
 
 class CodingEnvFactory:
     """Makes a CodingRLEnv per episode; holds the tokenizer, the episode config and the reward weights file."""

@@ -74,9 +74,22 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
     An episode is one sequence, or a chain of sequences when the environment restarts it (`StepResult.restart`,
     self-summarisation: the model's turn closes the sequence and the observation is the next one's prompt). Every
     sequence is a rollout with the episode's sample_index and final reward; turns and the token budget count over
-    the whole episode."""
+    the whole episode. When anything raises, environments with a `close()` (sandboxes) are closed first."""
+    envs: list[list[Environment]] = []
+    try:
+        for _ in tasks:
+            envs.append([make_env() for _ in range(cfg.group_size)])
+        return _episodes(tasks, envs, generate, cfg, std_normalize)
+    except BaseException:
+        for env in (e for row in envs for e in row):
+            if hasattr(env, "close"):
+                env.close()
+        raise
+
+
+def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: GenerateFn, cfg: EpisodeConfig,
+              std_normalize: bool) -> list[Group]:
     g = cfg.group_size
-    envs = [[make_env() for _ in range(g)] for _ in tasks]
     prompts = [envs[i][0].reset(t) for i, t in enumerate(tasks)]
     for i, t in enumerate(tasks):
         for e in envs[i][1:]:

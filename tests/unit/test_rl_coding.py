@@ -301,3 +301,17 @@ def test_self_summarisation_chains_are_sequences_sharing_the_episode_reward():
                                                                                    max_turns=2, max_response_length=16))
     assert [r.finish_reason for r in cut.rollouts] == ["stop", "length"]
     assert cut.rollouts[1].token_ids == [3, 4, 5, 23, 23]
+
+
+def test_a_failing_sampler_leaves_no_sandbox_behind(tmp_path, tokenizer_dir):
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    boxes = tmp_path / "boxes"
+    factory = CodingEnvFactory(_env_args(["--env-sandbox-dir", str(boxes)]), tokenizer, log=lambda *a: None)
+
+    def broken(prompts, n, sampling):
+        assert len(os.listdir(boxes)) == 2  # both episodes' sandboxes exist while sampling
+        raise RuntimeError("the sampler died")
+
+    with pytest.raises(RuntimeError, match="the sampler died"):
+        run_groups(read_coding_tasks(_suite(str(tmp_path), 1)), factory, broken, EpisodeConfig(2, Sampling(8)))
+    assert os.listdir(boxes) == []
