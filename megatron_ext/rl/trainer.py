@@ -319,7 +319,8 @@ class RLTrainer:
         if not hasattr(self.make_env, "read_weights"):
             return
         box = [self.make_env.read_weights(step) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
         self.make_env.use_weights(box[0])
 
     def publish_weights(self):

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ from megatron_ext.env.rewards import DEFAULT_WEIGHTS
 from megatron_ext.env.tools import TOOL_SCHEMAS
 from megatron_ext.rl.coding import CodingEnvFactory, read_coding_tasks
 from megatron_ext.rl.rollout import EpisodeConfig, Sampling, run_groups
+from megatron_ext.rl.trainer import RLTrainer
 from megatron_ext.rl.types import Sample
 from tests.unit.data_fixtures import load_tool, small_corpus, trained_tokenizer
 
@@ -182,6 +184,12 @@ def test_weights_file_changes_take_effect_at_the_step_they_are_read(tmp_path, to
     assert factory().env.config.weights["weights"]["communication"] == 0.3  # until the trainer hands it over
     factory.use_weights(config)
     assert factory().env.config.weights["weights"]["communication"] == 0.7
+    # the trainer's hook before a step's rollouts (one rank: no broadcast)
+    path.write_text(json.dumps({"weights": {"communication": 0.9}}))
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 2 * 10**9))
+    RLTrainer._sync_reward_weights(SimpleNamespace(make_env=factory, rank=0), 8)
+    assert [step for step, _ in factory.weight_file.changes] == [0, 5, 8] and "step 8" in logged[-1]
+    assert factory().env.config.weights["weights"]["communication"] == 0.9
 
 
 def _composer():
