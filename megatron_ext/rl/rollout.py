@@ -129,7 +129,8 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
         more = []
         for i, j in follow:
             ctx = [t for s in chains[i][j][-1] for t in s.token_ids]
-            sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, budget - used(i, j)),
+            left = budget - used(i, j)
+            sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, left),
                                    "seed": None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * turn + i * g + j})
             more.append((i, j, generate([ctx], 1, sampling)[0][0]))
         active = more

@@ -124,9 +124,10 @@ class Group:
 
     def episode_rewards(self) -> np.ndarray:
         """One reward per episode (a chain's sequences share it), in sample_index order."""
-        out = np.zeros(len(self._episodes()))
+        index = self._episodes()
+        out = np.zeros(len(index))
         for r in self.rollouts:
-            out[self._episodes()[r.sample_index]] = r.reward.total
+            out[index[r.sample_index]] = r.reward.total
         return out
 
     def episode_sums(self, values) -> np.ndarray:
