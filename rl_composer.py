@@ -7,6 +7,9 @@
     torchrun --nproc-per-node 2 rl_composer.py --model tiny --vocab-size 32 --load ckpt/sft --save ckpt/rl \
         --rl-prompts data/rl/train.jsonl --rl-eval-prompts data/rl/heldout.jsonl --rl-eval-interval 5 \
         --rl-log-dir logs/rl --train-iters 40
+    # the agentic coding environment: repository tasks mined by tools/mine_tasks.py, graded in a sandbox
+    python rl_composer.py --rl-env coding --rl-prompts tasks/tasks.jsonl --tokenizer-model TOKENIZER \
+        --load ckpt/sft --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
 
 Each prompt id of --rl-prompts is trained on exactly once, across kills and resumes (--rl-log-dir
 trained_groups.jsonl). Flags: `python rl_composer.py --help`, group "rl".
@@ -20,10 +23,12 @@ import torch
 
 import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Core is used)
 from megatron_ext.arguments import ArgumentError, parse_args
+from megatron_ext.env.arguments import add_env_args
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.rl.arguments import add_rl_args, loss_config, sampling_config, validate_rl_args
 from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, DigitEnv, Rubric, parse_weights,
                                  read_prompts)
+from megatron_ext.rl.coding import coding_data_provider
 from megatron_ext.rl.trainer import RLConfig, RLTrainer
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -31,7 +36,9 @@ from megatron_ext.training.loop import TrainingAborted
 
 
 def data_provider(args):
-    """Tasks (prompt file, held-out file) and the environment factory of the digit task family."""
+    """Tasks (prompt file, held-out file) and the environment factory of the --rl-env family."""
+    if args.rl_env == "coding":
+        return coding_data_provider(args)
     tasks = read_prompts(args.rl_prompts)
     eval_tasks = read_prompts(args.rl_eval_prompts) if args.rl_eval_prompts else []
     try:
@@ -42,13 +49,17 @@ def data_provider(args):
     return tasks, eval_tasks, lambda: DigitEnv(rubric)
 
 
-def rl_config(args, eval_tasks) -> RLConfig:
+def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
+    if args.rl_env == "coding":
+        stop, turns = make_env.stop_token_ids, max(t["max_turns"] for t in tasks + eval_tasks)
+    else:
+        stop, turns = (VOCAB.eos,), 1
     return RLConfig(group_size=1 if args.rl_sft_warmup else args.grpo_group_size,
                     prompts_per_step=args.grpo_prompts_per_step, iterations=args.grpo_iterations,
                     max_response_length=args.grpo_max_response_length,
                     aggregation="token-mean" if args.rl_sft_warmup else args.rl_loss_aggregation,
                     std_normalize=args.rl_advantage_std_normalize, loss=loss_config(args),
-                    sampling=sampling_config(args, (VOCAB.eos,)), max_turns=args.rl_max_turns,
+                    sampling=sampling_config(args, stop), max_turns=args.rl_max_turns or turns,
                     routing_replay=args.rl_routing_replay, log_dir=args.rl_log_dir,
                     reference_load=args.rl_reference_load, eval_tasks=eval_tasks,
                     eval_interval=args.rl_eval_interval, eval_samples=args.rl_eval_samples,
@@ -57,17 +68,17 @@ def rl_config(args, eval_tasks) -> RLConfig:
 
 def main(argv=None):
     try:
-        args = parse_args(argv, description=__doc__, extra=[add_rl_args])
+        args = parse_args(argv, description=__doc__, extra=[add_rl_args, add_env_args])
         validate_rl_args(args)
         if args.dry_run:
             print_parameter_counts(args)
             return 0
-        if args.padded_vocab_size < len(VOCAB):
+        if args.rl_env == "digits" and args.padded_vocab_size < len(VOCAB):
             raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the digit tasks' {len(VOCAB)} tokens")
         if args.arch.mtp_num_layers:
             args.mtp_detach_trunk = True  # the recipe: MTP learns by self-distillation, never moves the policy
         tasks, eval_tasks, make_env = data_provider(args)
-        cfg = rl_config(args, eval_tasks)
+        cfg = rl_config(args, tasks, eval_tasks, make_env)
     except (ArgumentError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,11 +9,17 @@ from megatron_ext.arguments import ArgumentError
 from megatron_ext.rl.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, LossConfig
 from megatron_ext.rl.rollout import Sampling
 
+RL_ENVS = ("digits", "coding")
+
 
 def add_rl_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("rl", "GRPO as in the Composer 2 recipe (rl_composer.py)")
+    g.add_argument("--rl-env", default="digits", choices=RL_ENVS,
+                   help="environment family: digits (tools/make_rl_prompts.py prompts) or coding (repository tasks "
+                        "of megatron_ext/env, tools/mine_tasks.py; needs --tokenizer-model, takes the --env-* flags)")
     g.add_argument("--rl-prompts", default=None, help="JSONL prompt file, one task with a unique 'id' per line "
-                                                      "(tools/make_rl_prompts.py); each id is trained on once")
+                                                      "(tools/make_rl_prompts.py; coding: a task suite from "
+                                                      "tools/mine_tasks.py); each id is trained on once")
     g.add_argument("--rl-log-dir", default=None,
                    help="write trained_groups.jsonl, rollouts.jsonl and eval.jsonl here")
     g.add_argument("--grpo-group-size", type=int, default=8, help="samples per prompt (G)")
@@ -45,9 +51,11 @@ def add_rl_args(parser: argparse.ArgumentParser):
     g.add_argument("--rl-temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--rl-top-k", type=int, default=0, help="sampling top-k (0: off)")
     g.add_argument("--rl-top-p", type=float, default=1.0, help="sampling top-p")
-    g.add_argument("--rl-max-turns", type=int, default=1, help="model turns per episode")
+    g.add_argument("--rl-max-turns", type=int, default=None,
+                   help="model turns per episode (default: 1 for digits; coding: the tasks' max_turns)")
     g.add_argument("--rl-reward-weights", default="",
-                   help="NAME=W,... weights of the environment's reward parts (digits: exact, char_accuracy)")
+                   help="NAME=W,... weights of the digit reward parts (exact, char_accuracy); coding: "
+                        "--env-reward-weights FILE / --env-reward-weight NAME=W")
     g.add_argument("--rl-reference-load", default=None,
                    help="checkpoint of the KL reference policy (default: the --load a run starts from)")
     g.add_argument("--rl-eval-prompts", default=None, help="held-out JSONL prompts, evaluated every "
@@ -67,7 +75,7 @@ def validate_rl_args(args: argparse.Namespace):
         fail("rl_composer.py needs --rl-prompts FILE (tools/make_rl_prompts.py writes one)")
     for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "grpo_max_response_length",
                  "rl_max_turns", "rl_eval_samples"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.grpo_kl_beta < 0:
         fail("--grpo-kl-beta must be >= 0")
@@ -81,6 +89,13 @@ def validate_rl_args(args: argparse.Namespace):
         fail("--rl-routing-replay needs an MoE model (--num-experts > 0)")
     if args.rl_eval_interval and not args.rl_eval_prompts:
         fail("--rl-eval-interval needs --rl-eval-prompts FILE")
+    if args.rl_env == "coding":
+        if args.rl_sft_warmup:
+            fail("--rl-sft-warmup needs reference answers as tokens; the coding environment has none (its tasks carry "
+                 "a reference diff, not a transcript): drop --rl-sft-warmup or use --rl-env digits")
+        if args.rl_reward_weights:
+            fail("--rl-reward-weights names digit reward parts; for --rl-env coding use --env-reward-weights FILE "
+                 "or --env-reward-weight NAME=W")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 

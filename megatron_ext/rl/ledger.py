@@ -24,7 +24,7 @@ ROLLOUTS = "rollouts.jsonl"
 
 def group_to_json(g: Group) -> dict:
     return {"prompt_id": g.prompt_id, "advantages": g.advantages, "rollouts": [{
-        "sample_index": r.sample_index, "finish_reason": r.finish_reason,
+        "sample_index": r.sample_index, "sequence_index": r.sequence_index, "finish_reason": r.finish_reason,
         "reward": None if r.reward is None else {"parts": r.reward.parts, "total": r.reward.total,
                                                  "error": r.reward.error},
         "routing": None if r.routing is None else {"shape": list(r.routing.shape),
@@ -43,7 +43,7 @@ def group_from_json(d: dict) -> Group:
         reward = None if r["reward"] is None else Reward(r["reward"]["parts"], r["reward"]["total"],
                                                          r["reward"]["error"])
         rollouts.append(Rollout(d["prompt_id"], r["sample_index"], [Segment(**s) for s in r["segments"]],
-                                r["finish_reason"], reward, routing))
+                                r["finish_reason"], reward, routing, r.get("sequence_index", 0)))
     return Group(d["prompt_id"], rollouts, d["advantages"])
 
 
@@ -115,7 +115,7 @@ class Ledger:
             for r in g.rollouts:
                 t = r.per_token()
                 records.append({"step": step, "prompt_id": g.prompt_id, "sample_index": r.sample_index,
-                                "finish_reason": r.finish_reason, "token_ids": t["token_ids"].tolist(),
+                                "sequence_index": r.sequence_index, "finish_reason": r.finish_reason, "token_ids": t["token_ids"].tolist(),
                                 "loss_mask": t["loss_mask"].astype(int).tolist(),
                                 "logprobs": [round(float(x), 6) for x in t["logprobs"]],
                                 "versions": t["versions"].tolist(),

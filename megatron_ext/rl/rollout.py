@@ -69,49 +69,68 @@ class EpisodeConfig:
 
 def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate: GenerateFn, cfg: EpisodeConfig,
                std_normalize: bool = False) -> list[Group]:
-    """G episodes per task, scored; advantages filled in from the (KL-free) rewards."""
+    """G episodes per task, scored; advantages filled in from the (KL-free) rewards.
+
+    An episode is one sequence, or a chain of sequences when the environment restarts it (`StepResult.restart`,
+    self-summarisation: the model's turn closes the sequence and the observation is the next one's prompt). Every
+    sequence is a rollout with the episode's sample_index and final reward; turns and the token budget count over
+    the whole episode. When anything raises, environments with a `close()` (sandboxes) are closed first."""
+    envs: list[list[Environment]] = []
+    try:
+        for _ in tasks:
+            envs.append([make_env() for _ in range(cfg.group_size)])
+        return _episodes(tasks, envs, generate, cfg, std_normalize)
+    except BaseException:
+        for env in (e for row in envs for e in row):
+            if hasattr(env, "close"):
+                env.close()
+        raise
+
+
+def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: GenerateFn, cfg: EpisodeConfig,
+              std_normalize: bool) -> list[Group]:
     g = cfg.group_size
-    envs = [[make_env() for _ in range(g)] for _ in tasks]
     prompts = [envs[i][0].reset(t) for i, t in enumerate(tasks)]
     for i, t in enumerate(tasks):
         for e in envs[i][1:]:
             e.reset(t)
     budget = cfg.max_response_length or cfg.sampling.max_tokens
     first = generate(prompts, g, cfg.sampling)
-    episodes = [[[Segment.environment(prompts[i])] for _ in range(g)] for i in range(len(tasks))]
-    finish = [["length"] * g for _ in tasks]
-    routing: list[list[Optional[np.ndarray]]] = [[None] * g for _ in tasks]
-    active = []
-    for i in range(len(tasks)):
-        for j in range(g):
-            active.append((i, j, first[i][j]))
+    # chains[i][j]: the sequences of episode j of task i, each a list of segments; finish and routing per sequence
+    chains = [[[[Segment.environment(prompts[i])]] for _ in range(g)] for i in range(len(tasks))]
+    finish: list[list[list[str]]] = [[[] for _ in range(g)] for _ in tasks]
+    routing: list[list[list[Optional[np.ndarray]]]] = [[[] for _ in range(g)] for _ in tasks]
+
+    def used(i: int, j: int) -> int:
+        return sum(len(s.token_ids) for seq in chains[i][j] for s in seq if s.trainable)
+
+    active = [(i, j, first[i][j]) for i in range(len(tasks)) for j in range(g)]
     turn = 0
     while active:
         turn += 1
         follow = []
         for i, j, sample in active:
-            episodes[i][j].append(Segment.model(sample))
-            routing[i][j] = sample.routing
-            used = sum(len(s.token_ids) for s in episodes[i][j] if s.trainable)
+            chains[i][j][-1].append(Segment.model(sample))
             result = envs[i][j].step(sample.token_ids)
+            ended = sample.finish_reason if result.done else \
+                "length" if turn >= cfg.max_turns or used(i, j) >= budget else None
+            if ended is not None or getattr(result, "restart", False):  # this sequence is complete
+                finish[i][j].append(ended or sample.finish_reason)
+                routing[i][j].append(sample.routing)  # the last sample's routing covers its whole context
+            if ended is not None:
+                continue
             if getattr(result, "restart", False):
-                raise ValueError("the environment restarted the episode in a new sequence (self-summarisation); "
-                                 "RL episodes here are one sequence each: run the environment without "
-                                 "self-summarisation until chained rollouts are supported")
-            if result.done:
-                finish[i][j] = sample.finish_reason
-            elif turn >= cfg.max_turns or used >= budget:
-                finish[i][j] = "length"
+                chains[i][j].append([Segment.environment(result.observation)])
             else:
-                episodes[i][j].append(Segment.environment(result.observation))
-                follow.append((i, j))
+                chains[i][j][-1].append(Segment.environment(result.observation))
+            follow.append((i, j))
         if not follow:
             break
-        contexts = [[t for s in episodes[i][j] for t in s.token_ids] for i, j in follow]
         more = []
-        for (i, j), ctx in zip(follow, contexts):
-            used = sum(len(s.token_ids) for s in episodes[i][j] if s.trainable)
-            sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, budget - used),
+        for i, j in follow:
+            ctx = [t for s in chains[i][j][-1] for t in s.token_ids]
+            left = budget - used(i, j)
+            sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, left),
                                    "seed": None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * turn + i * g + j})
             more.append((i, j, generate([ctx], 1, sampling)[0][0]))
         active = more
@@ -120,10 +139,10 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
         rollouts = []
         for j in range(g):
             reward = _as_reward(envs[i][j].score())
-            rollouts.append(Rollout(t["id"], j, episodes[i][j], "error" if reward.error else finish[i][j], reward,
-                                    routing[i][j]))
+            for k, (segments, fin, rt) in enumerate(zip(chains[i][j], finish[i][j], routing[i][j])):
+                rollouts.append(Rollout(t["id"], j, segments, "error" if reward.error else fin, reward, rt, k))
         grp = Group(t["id"], rollouts)
-        grp.advantages = group_advantages(grp.rewards, std_normalize).tolist()
+        grp.set_advantages(group_advantages(grp.episode_rewards(), std_normalize))
         groups.append(grp)
     return groups
 

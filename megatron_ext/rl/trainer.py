@@ -135,7 +135,9 @@ def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
-    rewards = np.array([r for g in groups for r in g.rewards])
+    """Step metrics; rewards and their parts per episode (a self-summarisation chain counts once)."""
+    rewards = np.concatenate([g.episode_rewards() for g in groups])
+    firsts = [r for g in groups for r in g.rollouts if r.sequence_index == 0]
     adv = np.array([a for g in groups for a in g.advantages])
     lengths = np.array([r.response_length for g in groups for r in g.rollouts])
     out = {"reward mean": float(rewards.mean()), "reward std": float(rewards.std()),
@@ -143,10 +145,11 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
            "advantage mean": float(adv.mean()), "advantage abs mean": float(np.abs(adv).mean()),
            "response length mean": float(lengths.mean()), "response length max": float(lengths.max()),
            "truncation rate": float(np.mean([r.finish_reason == "length" for g in groups for r in g.rollouts])),
-           "reward errors": float(np.mean([r.reward.error is not None for g in groups for r in g.rollouts]))}
-    parts = sorted({k for g in groups for r in g.rollouts for k in r.reward.parts})
+           "reward errors": float(np.mean([r.reward.error is not None for r in firsts])),
+           "sequences per episode": sum(len(g.rollouts) for g in groups) / len(firsts)}
+    parts = sorted({k for r in firsts for k in r.reward.parts})
     for name in parts:
-        out[f"reward {name}"] = float(np.mean([r.reward.parts.get(name, 0.0) for g in groups for r in g.rollouts]))
+        out[f"reward {name}"] = float(np.mean([r.reward.parts.get(name, 0.0) for r in firsts]))
     return out
 
 
@@ -241,6 +244,7 @@ class RLTrainer:
             groups += self.ledger.take(len(new))
         elif admitted:
             tasks = [self.by_id[p] for p in admitted]
+            self._sync_reward_weights(self.iteration + 1)
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
                                   seed=args.seed * 1_000_003 + self.iteration * 7919)
@@ -264,10 +268,10 @@ class RLTrainer:
             if cfg.loss.kl_estimator == "k1":
                 sums = k1_sums(mbs, ref, len(samples))
                 k = 0
-                for g in groups:
+                for g in groups:  # the KL of a chained episode is summed over its sequences
                     n = len(g.rollouts)
-                    g.advantages = group_advantages(kl_penalised(g.rewards, sums[k:k + n], cfg.loss.kl_beta),
-                                                    cfg.std_normalize).tolist()
+                    g.set_advantages(group_advantages(kl_penalised(g.episode_rewards(), g.episode_sums(sums[k:k + n]),
+                                                                   cfg.loss.kl_beta), cfg.std_normalize))
                     k += n
                 metrics["k1 sequence sum"] = float(np.mean(sums))
                 samples = self._samples(groups)
@@ -308,6 +312,17 @@ class RLTrainer:
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
                 "skipped": any(r["skipped"] for r in results)}
 
+    def _sync_reward_weights(self, step: int):
+        """An environment factory with editable reward weights (`read_weights(step)`, `use_weights(config)`: the
+        coding family's weights file) takes them before the step's rollouts are scored: rank 0 reads (a change is
+        logged with the step it takes effect at), every rank scores the step with the same weights."""
+        if not hasattr(self.make_env, "read_weights"):
+            return
+        box = [self.make_env.read_weights(step) if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.make_env.use_weights(box[0])
+
     def publish_weights(self):
         """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
         only the version moves) and tag later tokens with the new version."""
@@ -322,7 +337,8 @@ class RLTrainer:
         episode = EpisodeConfig(cfg.eval_samples, sampling, cfg.max_turns, cfg.max_response_length)
         groups = generate_groups(cfg.eval_tasks, self.make_env, self.generate, episode, False,
                                  seed=12345 + self.args.seed)
-        success = np.array([[_success(r) for r in g.rollouts] for g in groups], dtype=np.float64)
+        success = np.array([[_success(r) for r in g.rollouts if r.sequence_index == 0] for g in groups],
+                           dtype=np.float64)  # one per episode: a chain's sequences share its reward
         out = {"heldout success": float(success.mean()), "heldout pass@k": float(success.max(1).mean())}
         n_s, n_p = success.size, len(groups)
         out["heldout success ci"] = _wilson(out["heldout success"], n_s)
@@ -406,7 +422,9 @@ def _fault(point: str, iteration: int):
 
 def _success(rollout) -> float:
     parts = rollout.reward.parts
-    return float(parts.get("exact", rollout.reward.total > 0) >= 1.0) if rollout.reward.error is None else 0.0
+    if rollout.reward.error is not None:
+        return 0.0
+    return float(parts.get("exact", parts.get("correctness", rollout.reward.total > 0)) >= 1.0)
 
 
 def _wilson(p: float, n: int, z: float = 1.96) -> list[float]:

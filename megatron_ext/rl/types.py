@@ -3,7 +3,10 @@
 A rollout is one token sequence built from segments, in order: environment segments (the prompt, tool
 observations; never trained on) and model segments (exactly the ids the sampler produced, with its per-token
 log-probabilities and the policy version that produced each token). A multi-turn episode appends its turns to
-the same sequence, so one rollout is one training sequence and nothing is ever re-tokenised.
+the same sequence, so one rollout is one training sequence and nothing is ever re-tokenised. An environment that
+restarts an episode in a new sequence (self-summarisation) makes a chain: one rollout per sequence, all with the
+episode's `sample_index` and final reward (`sequence_index` orders them); advantages are per episode, shared by
+every sequence of the chain.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Rollout:
     finish_reason: str               # "stop" | "length" | "error"
     reward: Optional[Reward] = None
     routing: Optional[np.ndarray] = None  # [num_tokens, moe_layers, topk], row t = experts of token t
+    sequence_index: int = 0          # position in the episode's chain of sequences (self-summarisation)
 
     @property
     def token_ids(self) -> list[int]:
@@ -113,6 +117,31 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [r.reward.total for r in self.rollouts]
+
+    def _episodes(self) -> dict[int, int]:
+        """sample_index -> position among the group's episodes."""
+        return {j: k for k, j in enumerate(sorted({r.sample_index for r in self.rollouts}))}
+
+    def episode_rewards(self) -> np.ndarray:
+        """One reward per episode (a chain's sequences share it), in sample_index order."""
+        index = self._episodes()
+        out = np.zeros(len(index))
+        for r in self.rollouts:
+            out[index[r.sample_index]] = r.reward.total
+        return out
+
+    def episode_sums(self, values) -> np.ndarray:
+        """Per-rollout values summed over each episode's sequences, in sample_index order."""
+        index = self._episodes()
+        out = np.zeros(len(index))
+        for r, v in zip(self.rollouts, values):
+            out[index[r.sample_index]] += v
+        return out
+
+    def set_advantages(self, episode_advantages):
+        """Every sequence of an episode gets the episode's advantage."""
+        index = self._episodes()
+        self.advantages = [float(episode_advantages[index[r.sample_index]]) for r in self.rollouts]
 
 
 @dataclass
