@@ -6,7 +6,7 @@ setup(
     description="Megatron-Core research code for the Composer 2 recipe: continued pretraining and asynchronous "
                 "RL of Kimi K2.5 for agentic coding",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
-    py_modules=["pretrain_composer"],
+    py_modules=["pretrain_composer", "rl_composer"],
     python_requires=">=3.10",
     install_requires=[
         "megatron-core==0.16.1",  # DESIGN.md section 4 documents this release's CPU gaps; newer ones move them
