@@ -235,8 +235,10 @@ class KimiDeltaAttention(MegatronModule):
         # kept, so any TP layout starts from the same model.
         rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
         local = slice(rank * self.heads * d, (rank + 1) * self.heads * d)
-        dtype, device = config.params_dtype, torch.cuda.current_device() if (
-            torch.cuda.is_available() and not config.use_cpu_initialization) else "cpu"
+        dtype = config.params_dtype
+        # on the GPU unless Megatron is told to initialise on the CPU; else wherever tensors are made (meta too)
+        device = torch.cuda.current_device() if (torch.cuda.is_available() and not config.use_cpu_initialization) \
+            else None
         bound = 1 / math.sqrt(shape.conv_kernel)  # nn.Conv1d's default for a depthwise kernel
         self.q_conv1d = self._param(torch.empty(width, 1, shape.conv_kernel).uniform_(-bound, bound)[local], 0)
         self.k_conv1d = self._param(torch.empty(width, 1, shape.conv_kernel).uniform_(-bound, bound)[local], 0)
@@ -249,7 +251,7 @@ class KimiDeltaAttention(MegatronModule):
         # each TP rank normalises its own heads: the weight's gradient is summed over TP with the SP norms
         setattr(self.o_norm_weight, "sequence_parallel", config.sequence_parallel)
         for p in (self.q_conv1d, self.k_conv1d, self.v_conv1d, self.A_log, self.dt_bias, self.o_norm_weight):
-            p.data = p.data.to(device=device, dtype=dtype)
+            p.data = p.data.to(dtype=dtype) if device is None else p.data.to(device=device, dtype=dtype)
         self.eps = config.layernorm_epsilon
         self.use_fla = True
 
