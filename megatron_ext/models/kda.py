@@ -220,11 +220,14 @@ class KimiDeltaAttention(MegatronModule):
                                 skip_bias_add=True, is_expert=False, tp_comm_buffer_name=name)
 
         self.q_proj, self.k_proj, self.v_proj = (column(n, h, width) for n in ("q_proj", "k_proj", "v_proj"))
+        # replicated on every TP rank; the TP group makes rank 0's copy the checkpoint's main replica
         self.f_a_proj = build_module(submodules.replicated_linear, h, d, config=config,
-                                     init_method=config.init_method, bias=False, skip_bias_add=True)
+                                     init_method=config.init_method, bias=False, skip_bias_add=True,
+                                     tp_group=self.tp_group)
         self.f_b_proj = column("f_b_proj", d, width)
         self.g_a_proj = build_module(submodules.replicated_linear, h, d, config=config,
-                                     init_method=config.init_method, bias=False, skip_bias_add=True)
+                                     init_method=config.init_method, bias=False, skip_bias_add=True,
+                                     tp_group=self.tp_group)
         self.g_b_proj = column("g_b_proj", d, width)
         self.b_proj = column("b_proj", h, shape.num_heads)
         self.o_proj = build_module(submodules.row_parallel_linear, width, h, config=config,
