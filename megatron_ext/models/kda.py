@@ -93,28 +93,71 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, scale: Optional[float] = Non
 
     q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
     G = g.cumsum(dim=-2)  # [b, n, m, C, dk]
-    # pairwise decays e^(G_t - G_i) for i <= t (exponent <= 0), zero above the diagonal
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~lower[..., None], -math.inf).exp()  # [.., t, i, dk]
-    kk = torch.einsum("bnmtc,bnmic,bnmtic->bnmti", k, k, diff)
-    qk = torch.einsum("bnmtc,bnmic,bnmtic->bnmti", q, k, diff)
+    kk = decayed_products(k, k, G)
+    qk = decayed_products(q, k, G)
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    A = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0) + torch.eye(C, device=q.device)
+    A = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
     rhs = torch.cat((beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * G.exp() * k), dim=-1)
-    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    UW = unit_lower_inverse(A) @ rhs
     U, W = UW[..., :dv], UW[..., dv:]
-    q_decay = G.exp() * q
     G_end = G[..., -1:, :]
-    k_to_end = (G_end - G).exp() * k
+    k_to_end = ((G_end - G).exp() * k).transpose(-1, -2)  # [b, n, m, dk, C]
+    end_decay = G_end.transpose(-1, -2).exp()  # [b, n, m, dk, 1]
+    reads = torch.cat((W, G.exp() * q), dim=-2)  # rows that read the incoming state: W then decayed q
     state = (torch.zeros(b, n, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float())
     out = []
     for c in range(G.size(2)):
-        delta = U[:, :, c] - W[:, :, c] @ state
-        out.append(q_decay[:, :, c] @ state + qk[:, :, c] @ delta)
-        state = G_end[:, :, c].transpose(-1, -2).exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ delta
+        read = reads[:, :, c] @ state  # [b, n, 2C, dv]
+        delta = U[:, :, c] - read[..., :C, :]
+        out.append(read[..., C:, :] + qk[:, :, c] @ delta)
+        state = end_decay[:, :, c] * state + k_to_end[:, :, c] @ delta
     o = torch.stack(out, dim=2).reshape(b, n, -1, dv)[:, :, :t].transpose(1, 2)
     return o.to(dtype), state
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [.., C, C]: A is nilpotent, so the inverse is the finite series
+    sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)..., log2(C) squarings of batched matmuls (a batched triangular solve
+    is an order of magnitude slower on a CPU)."""
+    power = -A
+    inverse = torch.eye(A.size(-1), dtype=A.dtype, device=A.device) + power
+    for _ in range(max(0, math.ceil(math.log2(A.size(-1))) - 1)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """P_ti = sum_c a_tc b_ic e^(G_tc - G_ic) for i <= t, zero above: [.., C, d] -> [.., C, C].
+
+    Computed in blocks of `block` positions so that every exponent is of a non-positive number without a
+    [C, C, d] tensor of pairwise decays: inside a diagonal block pairwise ([block, block, d]); for t in block x
+    after i in block y, with r the last position of block y, e^(G_t - G_i) = e^(G_t - G_r) e^(G_r - G_i), both
+    factors <= 1, and the block is one matmul."""
+    C, d = G.shape[-2:]
+    if C % block:
+        block = C
+    nb = C // block
+    shape = G.shape[:-2]
+    a, b, G = (x.reshape(*shape, nb, block, d) for x in (a, b, G))
+    within = torch.ones(block, block, dtype=torch.bool, device=G.device).tril()
+    pair = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~within[..., None], -math.inf).exp()
+    diag = torch.einsum("...tc,...ic,...tic->...ti", a, b, pair)  # [.., nb, block, block]
+    ref = G[..., -1, :]  # [.., nb(y), d]: the last position of each block
+    # e^(G_t - G_r(y)) = e^(G_t - G_r(x-1)) e^(G_r(x-1) - G_r(y)): a per-token factor and a per-block-pair one,
+    # both <= 1 for y < x (pairs x <= y are discarded; their exponents are clamped to stay finite)
+    prev = torch.cat((torch.zeros_like(ref[..., :1, :]), ref[..., :-1, :]), dim=-2)  # G_r(x-1); 0 before block 0
+    a_local = a * (G - prev.unsqueeze(-2)).clamp(max=0).exp()  # [.., nb(x), block, d]
+    pair_decay = (prev.unsqueeze(-2) - ref.unsqueeze(-3)).clamp(max=0).exp()  # [.., nb(x), nb(y), d]
+    a_scaled = a_local.unsqueeze(-3) * pair_decay.unsqueeze(-2)  # [.., nb(x), nb(y), block, d]
+    b_scaled = b * (ref.unsqueeze(-2) - G).exp()  # [.., nb(y), block, d]
+    off = a_scaled @ b_scaled.unsqueeze(-4).transpose(-1, -2)  # [.., x, y, block, block]
+    lower = torch.ones(nb, nb, dtype=torch.bool, device=G.device).tril(-1)
+    off = off * lower[..., None, None]
+    idx = torch.arange(nb, device=G.device)
+    off[..., idx, idx, :, :] = diag
+    return off.transpose(-3, -2).reshape(*shape, C, C)
 
 
 def _fla():
