@@ -33,6 +33,8 @@ setup(
         "dev": ["pytest", "transformers", "compressed-tensors", "loguru", "matplotlib"],
         # Transformer Engine for FP8 and fused kernels on H100/H200; install apex from source if wanted
         # (https://github.com/NVIDIA/apex), it is not on PyPI.
-        "gpu": ["transformer-engine[pytorch]"],
+        "gpu": ["transformer-engine[pytorch]", "fla-core==0.6.0"],
+        # flash-linear-attention's Triton kernels for Kimi Delta Attention (used when importable on a GPU)
+        "kda": ["fla-core==0.6.0"],
     },
 )

@@ -179,7 +179,7 @@ def delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens: Optional[torch.
     if kernels is not None:
         fn = kernels[1] if recurrent else kernels[0]
         return fn(q, k, v, g, beta, scale=k.size(-1) ** -0.5, initial_state=initial_state,
-                  output_final_state=True, cu_seqlens=cu_seqlens)
+                  output_final_state=True, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
     fn = recurrent_kda if recurrent else chunk_kda
     if cu_seqlens is None:
         return fn(q, k, v, g, beta, initial_state)
