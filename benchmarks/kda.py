@@ -69,6 +69,10 @@ def _engine(preset: str, extra: list[str], meta: bool):
     return InferenceEngine(model), model
 
 
+def _state_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for st in cache.states if st is not None for t in st)
+
+
 def bench_memory(contexts: list[int]):
     from megatron_ext.training.initialize import destroy
 
@@ -76,7 +80,10 @@ def bench_memory(contexts: list[int]):
     for name, extra in (("kimi-linear-48b (20 KDA + 7 MLA)", []),
                         ("same, all MLA", ["--hybrid-layer-pattern", "M" * 27])):
         engine, _ = _engine("kimi-linear-48b", ["--num-experts", "8", "--bf16", *extra], meta=True)
-        rows[name] = [engine.new_cache(len(engine.layers), 1, n).bytes() for n in contexts]
+        caches = [engine.new_cache(len(engine.layers), 1, n) for n in contexts]
+        rows[name] = [c.bytes() for c in caches]
+        if not name.startswith("same"):
+            rows["of which KDA states"] = [_state_bytes(c) for c in caches]
         destroy()
     print("(b) decode cache per sequence, bf16 (engine.new_cache(...).bytes(), KDA states in fp32):")
     print("    context | " + " | ".join(rows))
@@ -89,15 +96,17 @@ def bench_memory(contexts: list[int]):
     print(f"    growth per token: hybrid {per_token:.0f} B (its 7 MLA layers), all-MLA {per_token_mla:.0f} B; "
           f"at {contexts[-1]} tokens the hybrid holds {kda_rows[-1] / mla_rows[-1]:.3f} of the all-MLA cache")
 
-    # the real tiny hybrid: prefill then decode one token, caches as allocated, KDA share constant
-    engine, _ = _engine("tiny-kimi-linear", ["--max-position-embeddings", str(max(contexts) + 8)], meta=False)
+    # the real tiny hybrid: prefill then decode one token, caches as allocated, KDA share constant (contexts up
+    # to 8192: a longer one-shot prefill's [s, s] attention scores would not fit this machine's memory)
+    tiny_contexts = [n for n in contexts if n <= 8192]
+    engine, _ = _engine("tiny-kimi-linear", ["--max-position-embeddings", str(max(tiny_contexts) + 8)], meta=False)
     print("    tiny-kimi-linear (3 KDA + 1 MLA layers, fp32), measured after a prefill and one decode step:")
-    for n in contexts:
+    for n in tiny_contexts:
         cache = engine.new_cache(len(engine.layers), 1, n + 1)
         ids = torch.randint(0, 1000, (1, n))
         engine.forward(ids, torch.arange(n).unsqueeze(0), cache, torch.tensor([0]))
         engine.forward(ids[:, -1:], torch.tensor([[n]]), cache, torch.tensor([n]))
-        kda_bytes = sum(t.numel() * t.element_size() for st in cache.states if st is not None for t in st)
+        kda_bytes = _state_bytes(cache)
         mla_bytes = sum(t.numel() * t.element_size() for t in cache.kv)
         print(f"      context {n:>6}: KDA states {kda_bytes:>8} B, MLA latents {mla_bytes:>9} B")
     destroy()
@@ -111,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--contexts", default="1024,4096,16384,65536")
+    ap.add_argument("--contexts", default="1024,4096,16384,65536,262144")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.only in (None, "a"):

@@ -101,6 +101,25 @@ def test_batched_generation_of_unequal_prompts_equals_one_by_one(hybrid):
     assert [c.token_ids for c in groups[1]] == [alone[1].token_ids[:4]] * 2
 
 
+def test_packed_documents_equal_separate_sequences(hybrid):
+    """THD packing: the KDA layer restarts its convolution and state at every document start."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn = hybrid.decoder.layers[1].self_attention
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randn(n, 1, 64, generator=g) for n in (30, 1, 70)]
+    cu = torch.tensor([0, 30, 31, 101], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=70, max_seqlen_kv=70)
+    with torch.no_grad():
+        packed, _ = attn(torch.cat(docs), packed_seq_params=params)
+        alone = torch.cat([attn(d)[0] for d in docs])
+    assert torch.allclose(packed, alone, atol=1e-5)
+    with torch.no_grad():
+        joined, _ = attn(torch.cat(docs))  # without the boundaries the later documents see the earlier ones
+    assert not torch.allclose(joined[31:], alone[31:], atol=1e-3)
+
+
+# last: pretrain_composer.main tears down the process groups the module fixture's model was built with
 def test_tiny_kimi_linear_trains_and_resumes(tmp_path):
     flags = ["--model", "tiny-kimi-linear", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--lr", "3e-3", "--seq-length", "32", "--log-interval", "1", "--train-iters", "8",
