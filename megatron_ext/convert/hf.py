@@ -2,7 +2,7 @@
 
 Layouts understood: ``deepseek_v3`` and ``kimi_k2`` (the same architecture under two model types) and
 ``kimi_k25`` (the text backbone as ``text_config``, weights under a language-model prefix, next to a vision
-tower that conversion skips). Weight formats: bf16/fp16/fp32; FP8 e4m3 with 128x128 block scales
+tower that conversion skips), and ``kimi_linear`` (convert/kimi_linear.py). Weight formats: bf16/fp16/fp32; FP8 e4m3 with 128x128 block scales
 (``weight_scale_inv``, the DeepSeek-V3 / Kimi K2 release format); INT4 symmetric group quantisation packed into
 int32 (compressed-tensors "pack-quantized", ``weight_packed`` / ``weight_scale`` / ``weight_shape``, the K2.5
 release format for routed experts). Quantised weights are dequantised on the fly, one tensor at a time.
