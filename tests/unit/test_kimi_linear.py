@@ -119,6 +119,29 @@ def test_packed_documents_equal_separate_sequences(hybrid):
     assert not torch.allclose(joined[31:], alone[31:], atol=1e-3)
 
 
+
+def test_mtp_on_the_hybrid_matches_megatron_and_speculation_is_refused(hybrid):
+    """The MTP layer (MLA without positions, like the last decoder layer) in the engine = Megatron-Core's MTP
+    block on the hybrid trunk's hidden states; speculative decoding is refused (states cannot roll back)."""
+    from megatron_ext.inference.engine import LatentCache
+    from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+
+    engine = InferenceEngine(hybrid)
+    ids = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    tokens, pos = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)
+    with torch.no_grad():
+        hidden = hybrid.decoder(hybrid.embedding(tokens, pos), attention_mask=None)
+        both = hybrid.mtp(input_ids=tokens, position_ids=pos, hidden_states=hidden, attention_mask=None,
+                          embedding=hybrid.embedding)
+        reference = hybrid.output_layer(torch.chunk(both, 2, dim=0)[1])[0][:, 0].float()
+    cache = engine.new_cache(1, 1, 32)
+    assert isinstance(cache, LatentCache) and cache.states == [None]
+    s = len(ids) - 1
+    ours = engine.mtp_forward(hidden[:s], tokens[:, 1:], pos[:, :s], cache, torch.tensor([0]))[0]
+    torch.testing.assert_close(ours, reference[:s], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not supported for Kimi Linear"):
+        generate_speculative(engine, ids[:5], SamplingParams(max_tokens=4, temperature=0), SpeculationStats())
+
 # last: pretrain_composer.main tears down the process groups the module fixture's model was built with
 def test_tiny_kimi_linear_trains_and_resumes(tmp_path):
     flags = ["--model", "tiny-kimi-linear", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
