@@ -43,7 +43,8 @@ def test_dry_run_prints_the_resolved_configuration(capsys):
     assert re.search(r"\n  tensor_model_parallel_size \.+ 1\n", arguments)
     assert re.search(r"\n  num_layers \.+ 3\n", architecture) and re.search(r"\n  seq_length \.+ 96\n", architecture)
     assert re.search(r"\n  kv_lora_rank \.+ \d+\n", architecture)  # from the preset, not given as a flag
-    assert re.search(r"\ntotal parameters: \d+\nactive parameters per token: \d+\n$", out)
+    assert re.search(r"\ntotal parameters: \d+\nactive parameters per token: \d+\n"
+                     r"active parameters per token without the input embedding: \d+\n$", out)
 
 
 def test_flag_file_dry_run_names_world_size(monkeypatch, capsys):

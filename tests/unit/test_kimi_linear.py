@@ -1,5 +1,9 @@
 """The Kimi Linear hybrid: flags, presets, the layer stack, training, and decoding with KDA states + MLA latents."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +16,8 @@ from megatron_ext.testing import init_layout_invariant_
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.step import build_model
 from tests.tb import scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_layer_pattern_forms_and_errors():
@@ -40,6 +46,12 @@ def test_kimi_linear_48b_counts_match_the_published_48b_a3b():
     # "3B activated": the embedding table is looked up, not multiplied; without it the count is 3.1B
     assert abs((active - arch.vocab_size * arch.hidden_size) / 3e9 - 1) < 0.05, active
     assert arch.hybrid_layer_pattern.count("M") == 7 and arch.hybrid_layer_pattern[-1] == "M"
+    out = subprocess.run([sys.executable, "-W", "ignore", "pretrain_composer.py", "--model", "kimi-linear-48b",
+                          "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ") for line in out.stdout.strip().splitlines() if " parameters" in line)
+    assert int(lines["total parameters"]) == total  # the vocabulary 163,840 needs no padding
+    assert abs(int(lines["active parameters per token without the input embedding"]) / 3e9 - 1) < 0.05
 
 
 @pytest.fixture(scope="module")
