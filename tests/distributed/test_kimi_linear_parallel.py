@@ -1,12 +1,17 @@
-"""The Kimi Linear hybrid (KDA heads split over TP, position-free MLA, MoE, MTP) trains at TP2+SP exactly like one
-rank: same losses, gradient norm, and every parameter's gradient (KDA's per-head convolutions, A_log, dt_bias and
-its replicated output-norm weight included)."""
+"""The Kimi Linear hybrid (KDA heads split over TP, position-free MLA, MoE, MTP) at TP2+SP equals one rank: in
+training the same losses, gradient norm, and every parameter's gradient (KDA's per-head convolutions, A_log,
+dt_bias and its replicated output-norm weight included); in generation the same tokens and log-probabilities."""
 
+import json
 import math
+import os
+import tempfile
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
-from tests.distributed.harness import run_layout
+from tests.distributed.harness import _free_port, invariant_model, join, run_layout
 from tests.distributed.test_parallel_parity import GRAD_RTOL, RTOL
 
 BASE = ["--model", "tiny-kimi-linear", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -35,3 +40,42 @@ def test_tp2_matches_single_rank(world, flags):
             assert scale > 0, f"step {step} {key}: no gradient in the one-rank run"
             err = float((ours[key] - r).abs().max())
             assert err <= GRAD_RTOL * scale, f"step {step} {key}: max |diff| {err:.3g} vs max |grad| {scale:.3g}"
+
+
+PROMPTS = [[3, 14, 15, 92, 65, 35], [8, 97], [93, 238, 46, 264, 338]]
+
+
+def _generate_worker(rank: int, world: int, port: int, flags: list[str], out_dir: str):
+    join(rank, world, port)
+    from megatron_ext.inference.engine import InferenceEngine, SamplingParams
+    from megatron_ext.training.initialize import destroy
+
+    _, model = invariant_model(flags, world, seed=2)
+    engine = InferenceEngine(model.eval())
+    greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    groups = [c for g in engine.generate_groups(PROMPTS[1:], 2, SamplingParams(max_tokens=6, seed=6)) for c in g]
+    forced = engine.forward(torch.tensor([PROMPTS[0]]), torch.arange(6).unsqueeze(0),
+                            engine.new_cache(len(engine.layers), 1, 8), torch.tensor([0]))[0]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"ids": [c.token_ids for c in greedy + groups], "logprobs": [c.logprobs for c in greedy + groups],
+                   "forced": forced.tolist()}, f)
+    destroy()
+
+
+def _generate(flags, world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_generate_worker, args=(world, _free_port(), flags, tmp), nprocs=world, join=True,
+                           start_method="spawn")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+def test_tp2_generation_matches_one_rank():
+    """The engine's KDA step on this rank's heads (partial output projection summed over TP) = one rank."""
+    flags = ["--model", "tiny-kimi-linear", "--mock-data", "--seed", "5"]
+    want = _generate(flags, 1)[0]
+    ranks = _generate(flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["ids"] == want["ids"]
+    for got, ref in zip(ranks[0]["logprobs"], want["logprobs"]):
+        assert got == pytest.approx(ref, abs=1e-5)
+    torch.testing.assert_close(torch.tensor(ranks[0]["forced"]), torch.tensor(want["forced"]), rtol=1e-5, atol=1e-5)
