@@ -21,7 +21,8 @@ def test_help_shows_each_default_once_and_only_real_ones(help_text):
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
     flat = " ".join(help_text.split())  # argparse wraps help text
     assert flat.count("(default:") == len(re.findall(r"\(default: [^)(]*\)", flat))  # none doubled or nested
-    assert flat.count("(default: from --model)") == len(_ARCH_FLAGS) + 1  # + --untie-embeddings-and-output-weights
+    # + --untie-embeddings-and-output-weights, --mla-nope
+    assert flat.count("(default: from --model)") == len(_ARCH_FLAGS) + 2
     assert "(default: from --model) (default" not in flat
     assert "--seed SEED random seed (default: 1234)" in flat
     assert "--lr-decay-style" in flat and re.search(r"--clip-grad CLIP_GRAD .*\(default: 1\.0\)", flat)
