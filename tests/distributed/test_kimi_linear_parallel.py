@@ -18,12 +18,18 @@ BASE = ["--model", "tiny-kimi-linear", "--mock-data", "--micro-batch-size", "2",
         "--lr", "1e-3", "--seed", "7"]
 
 
-# ~80 s on a shared 2-core machine (two trainings): `make test-all` runs it.
+@pytest.fixture(scope="module")
+def reference():
+    return run_layout(BASE, world=1, full_grads=True)
+
+
+# ~80 s each on a shared 2-core machine (two trainings): `make test-all` runs them. PP2 checks that each stage
+# builds its own slice of --hybrid-layer-pattern (KK | KM, the MTP layer on the last stage).
 @pytest.mark.slow
-@pytest.mark.parametrize("world,flags", [(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
-                         ids=["tp2_sp"])
-def test_tp2_matches_single_rank(world, flags):
-    want = run_layout(BASE, world=1, full_grads=True)
+@pytest.mark.parametrize("world,flags", [(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                         (2, ["--pipeline-model-parallel-size", "2"])], ids=["tp2_sp", "pp2"])
+def test_layout_matches_single_rank(world, flags, reference):
+    want = reference
     got = run_layout(BASE + flags, world=world, full_grads=True)
     for step, (g, w) in enumerate(zip(got, want)):
         assert set(g["losses"]) == set(w["losses"]) and "lm loss" in w["losses"]
