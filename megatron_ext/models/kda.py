@@ -243,9 +243,6 @@ class KimiDeltaAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: KDASubmodules, layer_number: int,
                  shape: KDAShape, attn_mask_type=None, cp_comm_type=None, pg_collection=None, **unused):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("Kimi Delta Attention does not support --context-parallel-size > 1 (the recurrent "
-                             "state would have to pass between ranks); use CP 1 with --hybrid-layer-pattern")
         self.layer_number = layer_number
         self.shape = shape
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -347,10 +344,20 @@ class KimiDeltaAttention(MegatronModule):
         f, _ = self.f_b_proj(self.f_a_proj(hidden_states)[0])
         gate, _ = self.g_b_proj(self.g_a_proj(hidden_states)[0])
         b_logits, _ = self.b_proj(hidden_states)
-        s, b = q.shape[:2]
+        s_local, b = q.shape[:2]
+        cp = self.config.context_parallel_size
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        bounds = context_parallel.document_bounds(s_local * cp, packed_seq_params)
+        if cp > 1:
+            # Context parallelism: the recurrence needs every earlier token. This rank's chunks of the inputs of
+            # the convolution and gates are all-gathered (backward: reduce-scatter), the whole sequence is run
+            # here (as on every CP rank) and this rank's positions kept.
+            width = [q.size(-1), k.size(-1), v.size(-1), f.size(-1), b_logits.size(-1)]
+            full = context_parallel.gather_sequence(torch.cat((q, k, v, f, b_logits), dim=-1), bounds)
+            q, k, v, f, b_logits = full.split(width, dim=-1)
+        s = q.size(0)
         cu, doc_ids = None, None
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            bounds = context_parallel.document_bounds(s, packed_seq_params)
+        if packed:
             cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
             doc_ids = torch.searchsorted(cu[1:].contiguous(), torch.arange(s, device=q.device), right=True)
         bt = lambda x: x.transpose(0, 1)  # noqa: E731  [s, b, ...] -> [b, s, ...]
@@ -361,7 +368,9 @@ class KimiDeltaAttention(MegatronModule):
         g, beta = self.gates(bt(f), bt(b_logits))
         q, k = l2norm(heads(q).float()), l2norm(heads(k).float())
         o, _ = delta_rule(q, k, heads(v).float(), g, beta, cu_seqlens=cu, use_fla=self.use_fla)
-        o = self.gated_norm(o.to(hidden_states.dtype), bt(gate).reshape(b, s, n, d))
+        if cp > 1:
+            o = o.index_select(1, context_parallel.local_index(bounds).to(o.device))
+        o = self.gated_norm(o.to(hidden_states.dtype), bt(gate).reshape(b, s_local, n, d))
         out, bias = self.o_proj(o.transpose(0, 1).contiguous())
         return out, bias
 

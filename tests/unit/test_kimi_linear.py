@@ -29,8 +29,6 @@ def test_layer_pattern_forms_and_errors():
         parse_layer_pattern("KKXM", 4)
     with pytest.raises(ArgumentError, match="--hybrid-layer-pattern"):
         parse_args(["--model", "tiny-kimi-linear", "--mock-data", "--hybrid-layer-pattern", "KKM"], world_size=1)
-    with pytest.raises(ArgumentError, match="context parallelism"):
-        parse_args(["--model", "tiny-kimi-linear", "--mock-data", "--context-parallel-size", "2"], world_size=2)
     with pytest.raises(ArgumentError, match="--kda-num-heads 4 is not divisible"):
         parse_args(["--model", "tiny-kimi-linear", "--mock-data", "--tensor-model-parallel-size", "8",
                     "--sequence-parallel", "--num-attention-heads", "8", "--num-experts", "8"], world_size=8)
