@@ -26,7 +26,8 @@ On a GPU with flash-linear-attention (`fla-core`, extra ``[kda]``) installed the
 Tensor parallelism splits the heads: q/k/v, the forget gate's up projection, beta and the output gate's up
 projection are column parallel, the output projection row parallel; the low-rank down projections are replicated
 (as MLA's are). Packed sequences (THD): the convolution and the state restart at every document. Context
-parallelism is refused (the state would have to be passed from rank to rank).
+parallelism gathers the recurrence's inputs over the CP group and runs the whole sequence on every CP rank
+(correct, not yet cheaper: passing the state from rank to rank would be).
 """
 
 from __future__ import annotations
