@@ -16,6 +16,7 @@ calls become error observations and a failing agent ends the episode with status
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import json
 import math
@@ -121,6 +122,12 @@ def snapshot(folder: str) -> dict[str, tuple]:
 def changed_paths(before: dict, after: dict) -> list[str]:
     """Paths added, removed or changed between two snapshots."""
     return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
+def diff_lines(old: str, new: str) -> int:
+    """Lines a unified diff of old -> new adds plus lines it removes (how mined tasks count reference_diff_lines)."""
+    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(), autojunk=False)
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal")
 
 
 def _text(entry) -> Optional[str]:
@@ -328,7 +335,8 @@ class Session:
                 overlay(self.task.hidden_tests, grader.workspace)
             r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
         grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
-                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden}
+                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden,
+                   "diff_lines": sum(diff_lines(old, new) for old, new in changes.values())}
         count = self.config.count_tokens
         assistant = [m for m in messages if m["role"] == "assistant"]
         counts = {
