@@ -88,8 +88,7 @@ def heatmap(rows: Sequence[str], columns: Sequence[str], values: np.ndarray, tit
     plt = _pyplot()
     values = np.asarray(values, dtype=np.float64)
     fig, ax = plt.subplots(figsize=(2.5 + 0.45 * len(columns), 1.2 + 0.26 * len(rows)))
-    cmap = plt.get_cmap("RdYlGn").copy()
-    cmap.set_bad("#eeeeee")
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#eeeeee")
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0, vmax=1, aspect="auto",
                       interpolation="nearest")
     ax.set_xticks(range(len(columns)), columns, fontsize=8)
