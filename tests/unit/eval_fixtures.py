@@ -3,6 +3,7 @@ task ids, each with its own reference diff size, and script-agent folders (oracl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -36,3 +37,11 @@ def script_dir(root: str, name: str, actions_by_id: dict) -> str:
 
 def oracle_dir(root: str, ids=("add-a", "add-b")) -> str:
     return script_dir(root, "oracle", {i: ORACLE for i in ids})
+
+
+def run_eval_main():
+    """tools/run_eval.py's main(), imported (no new interpreter)."""
+    spec = importlib.util.spec_from_file_location("run_eval", os.path.join(ROOT, "tools", "run_eval.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main

@@ -26,7 +26,7 @@ from megatron_ext.eval.harness import RunDir, RunError, run_suite
 from megatron_ext.eval.outputs import publish
 from megatron_ext.eval.tasks import load_suite
 from megatron_ext.eval.usage import Prices
-from tests.unit.eval_fixtures import ROOT, make_suite, oracle_dir, script_dir
+from tests.unit.eval_fixtures import ROOT, make_suite, oracle_dir, run_eval_main, script_dir
 
 RUN_EVAL = os.path.join(ROOT, "tools", "run_eval.py")
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -127,10 +127,10 @@ def test_flaky_agent_gets_the_hand_computed_intervals(runs, tmp_path):
     assert s["per_task"]["add-a"]["best_reward"] > s["per_task"]["add-a"]["reward"]
 
 
-def test_killed_run_resumes_without_redoing_finished_episodes(tmp_path):
+def test_killed_run_resumes_without_redoing_finished_episodes(tmp_path, capsys):
     root = str(tmp_path)
     suite = make_suite(root, ids=("add-a", "add-b", "add-c"))
-    slow = [{"name": "run_command", "arguments": {"command": "sleep 2"}}] + ORACLE
+    slow = [{"name": "run_command", "arguments": {"command": "sleep 1"}}] + ORACLE
     agents = script_dir(root, "slow", {i: slow for i in ("add-a", "add-b", "add-c")})
     out = os.path.join(root, "run")
     argv = [sys.executable, RUN_EVAL, "--tasks", suite, "--agent", f"script:{agents}", "--passes", "1",
@@ -153,25 +153,26 @@ def test_killed_run_resumes_without_redoing_finished_episodes(tmp_path):
                       if p.endswith(".json"))
     assert 1 <= len(finished) < 3 and not os.path.exists(os.path.join(out, "summary.json"))
     before = {p: (os.stat(p).st_mtime_ns, open(p).read()) for p in finished}
-    again = _cli("--tasks", suite, "--agent", f"script:{agents}", "--passes", "1", "--out", out,
-                 "--env-sandbox-dir", root)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"{len(finished)} of 3 episodes already finished, {3 - len(finished)} to run" in again.stderr
+    main = run_eval_main()
+    assert main(["--tasks", suite, "--agent", f"script:{agents}", "--passes", "1", "--out", out,
+                 "--env-sandbox-dir", root]) == 0
+    err = capsys.readouterr().err
+    assert f"{len(finished)} of 3 episodes already finished, {3 - len(finished)} to run" in err
     assert {p: (os.stat(p).st_mtime_ns, open(p).read()) for p in finished} == before  # not redone
     s = _summary(out)
     assert s["complete"] and s["episodes"] == 3 and s["accuracy"] == 1.0
     assert not [f for b, _, fs in os.walk(out) for f in fs if f.endswith(".tmp")]
     # more passes on the same run: only the new ones run
-    more = _cli("--tasks", suite, "--agent", f"script:{agents}", "--passes", "2", "--out", out,
-                "--env-sandbox-dir", root, "--concurrency", "3")
-    assert more.returncode == 0 and "3 of 6 episodes already finished, 3 to run" in more.stderr
+    assert main(["--tasks", suite, "--agent", f"script:{agents}", "--passes", "2", "--out", out,
+                 "--env-sandbox-dir", root, "--concurrency", "3"]) == 0
+    assert "3 of 6 episodes already finished, 3 to run" in capsys.readouterr().err
     assert _summary(out)["pass_at_k"] == {"1": 1.0, "2": 1.0}
     # another agent in the same directory is refused before anything runs
-    other = _cli("--tasks", suite, "--agent", f"script:{root}", "--out", out)
-    assert other.returncode == 2 and "holds a run with another agent" in other.stderr
+    with pytest.raises(RunError, match="holds a run with another agent"):
+        RunDir(out).start({**json.load(open(os.path.join(out, "run.json"))), "agent": f"script:{root}"})
 
 
-def test_bad_inputs_are_named(tmp_path):
+def test_bad_inputs_are_named(tmp_path, capsys):
     suite = make_suite(str(tmp_path))
     tasks = load_suite(suite)
     with pytest.raises(TaskError, match="no such file or directory"):
@@ -194,8 +195,13 @@ def test_bad_inputs_are_named(tmp_path):
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(RunError, match="not an evaluation run"):
         RunDir(str(tmp_path / "full")).start({"agent": "a", "model": None, "task_ids": [], "passes": 1})
-    bad = _cli("--tasks", suite, "--agent", f"script:{tmp_path}", "--out", str(tmp_path / "r"), "--passes", "0")
-    assert bad.returncode == 2 and "--passes must be >= 1" in bad.stderr
+    main = run_eval_main()
+    assert main(["--tasks", suite, "--agent", f"script:{tmp_path}", "--out", str(tmp_path / "r"), "--passes", "0"]) == 2
+    assert "--passes must be >= 1" in capsys.readouterr().err
+    assert main(["--tasks", suite, "--agent", "endpoint:http://x", "--out", str(tmp_path / "full")]) == 2
+    assert "exists and is not an evaluation run" in capsys.readouterr().err
+    assert main(["--compare", str(tmp_path / "full"), str(tmp_path)]) == 2
+    assert "no summary.json" in capsys.readouterr().err
 
 
 def _chromium_image_sizes(html_path: str) -> list[dict]:
@@ -219,20 +225,21 @@ def _chromium_image_sizes(html_path: str) -> list[dict]:
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
                     reason="Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
-def test_report_and_comparison_render_in_a_browser(runs):
+def test_report_and_comparison_render_in_a_browser(runs, capsys):
     root = runs["root"]
     sizes = {i["id"]: (i["w"], i["h"]) for i in _chromium_image_sizes(os.path.join(root, "oracle_run", "report.html"))}
     assert sizes.pop("broken-control") == (0, 0)
     assert set(sizes) == {"fig-accuracy", "fig-pareto", "fig-heatmap"} and all(w > 200 and h > 100
                                                                                 for w, h in sizes.values())
     out = os.path.join(root, "cmp")
-    result = _cli("--compare", os.path.join(root, "oracle_run"), os.path.join(root, "noop_run"), "--out", out)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_eval_main()(["--compare", os.path.join(root, "oracle_run"), os.path.join(root, "noop_run"),
+                            "--out", out]) == 0
+    printed = capsys.readouterr().out
     pair = json.load(open(os.path.join(out, "compare.json")))["against_baseline"]["noop_run"]
     assert pair["difference"] == -1.0 and pair["p"] == 0.5 and not pair["significant"]  # 2 of 4 sign patterns
     assert pair["test"] == "paired sign-flip permutation, exact (4 sign patterns)"
     assert pair["per_task"]["add-a"]["p"] == pytest.approx(1 / 3)  # Fisher: [[2, 0], [0, 2]]
     assert pair["per_task"]["add-a"]["p_holm"] == pytest.approx(2 / 3)
-    assert "| add-a | 1.000 | 0.000 | -1.000 | 0.3333 | 0.6667 |  |" in result.stdout
+    assert "| add-a | 1.000 | 0.000 | -1.000 | 0.3333 | 0.6667 |  |" in printed
     sizes = {i["id"]: i["w"] for i in _chromium_image_sizes(os.path.join(out, "compare.html"))}
     assert all(sizes[f"fig-{n}"] > 200 for n in ("accuracy", "pareto", "heatmap"))
