@@ -6,15 +6,24 @@ from __future__ import annotations
 import base64
 import html
 import os
+import re
 from dataclasses import dataclass, field
 
 from megatron_ext.atomic import atomic_output
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222}table{border-collapse:collapse;margin:0.8em 0;font-size:0.9em}th,td{border:1px solid #ccc;
-padding:0.25em 0.6em;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+padding:0.25em 0.6em;text-align:right}th{background:#f3f3f3}td.text,th.text{text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:0.5em 0}figure{margin:1em 0}figcaption{font-size:0.85em;color:#555}
 code{background:#f6f6f6;padding:0 0.2em}"""
+
+
+NUMERIC = re.compile(r"^(-|[-+]?[\d,]*\.?\d+%?|\[[-\d., ]+\])$")
+
+
+def numeric_columns(header: list, rows: list) -> list[bool]:
+    """Columns whose every cell is a number, '-' or an interval (right-aligned); the first column never is."""
+    return [i > 0 and all(NUMERIC.match(str(row[i]).strip()) for row in rows) for i in range(len(header))]
 
 
 @dataclass
@@ -44,7 +53,7 @@ class Document:
             elif block[0] == "table":
                 header, rows = block[1], block[2]
                 out.append("| " + " | ".join(map(str, header)) + " |")
-                out.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+                out.append("|" + "|".join("---:" if n else "---" for n in numeric_columns(header, rows)) + "|")
                 out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
                 out.append("")
             else:
@@ -61,10 +70,11 @@ class Document:
             elif block[0] == "p":
                 out.append(f"<p>{html.escape(block[1])}</p>")
             elif block[0] == "table":
-                out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in block[1]) +
-                           "</tr></thead><tbody>")
-                out += ["<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
-                        for row in block[2]]
+                numeric = numeric_columns(block[1], block[2])
+                out.append("<table><thead><tr>" + "".join(f'<th{"" if n else " class=text"}>{html.escape(str(c))}</th>'
+                                                          for c, n in zip(block[1], numeric)) + "</tr></thead><tbody>")
+                out += ["<tr>" + "".join(f'<td{"" if n else " class=text"}>{html.escape(str(c))}</td>'
+                                         for c, n in zip(row, numeric)) + "</tr>" for row in block[2]]
                 out.append("</tbody></table>")
             else:
                 data = base64.b64encode(block[2]).decode()

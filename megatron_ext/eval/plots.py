@@ -83,7 +83,7 @@ def pareto(labels: Sequence[str], xs: Sequence[float], ys: Sequence[float], xlab
 
 
 def heatmap(rows: Sequence[str], columns: Sequence[str], values: np.ndarray, title: str,
-            colorbar_label: str = "correct (1) / wrong (0); blank: not run") -> bytes:
+            colorbar_label: str = "1 correct, 0 wrong; grey: not run") -> bytes:
     """rows x columns of values in [0, 1] (NaN for missing), e.g. task x pass correctness."""
     plt = _pyplot()
     values = np.asarray(values, dtype=np.float64)

@@ -73,3 +73,40 @@ def test_episode_usage_splits_prompt_into_cached_and_new():
 def test_pareto_frontier():
     # cheaper-and-better wins; (3, 0.5) is dominated by (2, 0.6)
     assert pareto_frontier([1, 2, 3, 4], [0.2, 0.6, 0.5, 0.9]) == [0, 1, 3]
+
+
+def _record(task, k, correct, critical=None, diff=4, turns=3):
+    record = {"task": task, "pass": k, "status": "finished", "wall_s": 2.0, "grading": {"diff_lines": diff},
+              "reward": {"correctness": float(correct), "total": float(correct), "communication": 0.5},
+              "counts": {"tool_calls": 2, "turns": turns, "thinking_tokens": 10, "tool_call_tokens": 5,
+                         "tool_output_tokens": 7, "message_tokens": 1},
+              "usage": {"input_tokens": 100, "cached_input_tokens": 50, "output_tokens": 16}}
+    if critical is not None:
+        record["critical_steps"] = critical
+    return record
+
+
+def test_summary_of_synthetic_episodes_reports_swarm_steps_and_partial_runs():
+    from megatron_ext.env.tasks import Task
+    from megatron_ext.eval.metrics import summarise
+
+    tasks = [Task("a", "/r", "x" * 10, "true", 1, metadata={"reference_diff_lines": 8}),
+             Task("b", "/r", "x" * 30, "true", 1), Task("c", "/r", "x", "true", 1)]
+    records = [_record("a", 0, 1, critical=2), _record("a", 2, 0, critical=4, diff=12), _record("b", 1, 1, turns=5)]
+    s = summarise(tasks, records, passes=3, prices=Prices(output=1e6))
+    assert not s["complete"] and s["tasks_run"] == 2 and s["episodes"] == 3
+    assert s["accuracy"] == pytest.approx((0.5 + 1.0) / 2)
+    a = s["per_task"]["a"]
+    assert a["pass_indices"] == [0, 2] and a["correct"] == [1, 0] and a["code_quality"]["diff_to_reference"] == 1.0
+    assert a["efficiency"]["critical_steps"] == 3.0 and "critical_steps" not in s["per_task"]["b"]["efficiency"]
+    assert s["efficiency"]["critical_steps"] == 3.0 and s["efficiency"]["turns"] == pytest.approx(11 / 3)
+    assert s["efficiency"]["cost"] == 16.0 and s["efficiency"]["cost_total"] == 48.0
+    assert s["pass_at_k"] == {"1": 0.75}  # task b has one pass: pass@k only up to the passes every task has
+    assert s["per_task"]["c"]["passes"] == 0 and s["per_task"]["c"]["accuracy"] is None
+    assert s["suite"]["median_instruction_chars"] == 10 and s["suite"]["tasks_with_reference_diff"] == 1
+    from megatron_ext.eval.report import build
+
+    md = build(s, "partial run").markdown("figs")
+    assert "| critical steps (agent swarm) | 3.00 |" in md and "| turns (total steps) | 3.67 |" in md
+    assert "| c | 0 | - | - | - |" in md and "complete: no" in md
+    assert md.count("](figs/") == 3
