@@ -32,7 +32,7 @@ def script_factory(folder: str, tasks: list[Task]) -> AgentFactory:
     strays = sorted(n for n in os.listdir(folder) if n.endswith(".json") and n[:-len(".json")] not in known)
     if strays and not any(actions.values()):
         raise AgentError(f"--agent script:{folder}: none of its files names a task of the suite (found "
-                         f"{strays[:5]}; expected <task id>.json, e.g. {sorted(known)[0]}.json)")
+                         f"{strays[:5]}; expected <task id>.json, e.g. {min(known)}.json)")
     return lambda task, index: ScriptAgent(actions[task.id])
 
 

@@ -35,7 +35,8 @@ def compare_pair(a: dict, b: dict) -> dict:
     differences = [tasks[i]["difference"] for i in shared]
     p, method = paired_permutation(differences)
     return {"shared_tasks": len(shared),
-            "only_in_a": sorted(set(a["per_task"]) - set(shared)), "only_in_b": sorted(set(b["per_task"]) - set(shared)),
+            "only_in_a": sorted(set(a["per_task"]) - set(shared)),
+            "only_in_b": sorted(set(b["per_task"]) - set(shared)),
             "accuracy_a": float(np.mean([tasks[i]["a"] for i in shared])) if shared else None,
             "accuracy_b": float(np.mean([tasks[i]["b"] for i in shared])) if shared else None,
             "difference": float(np.mean(differences)) if shared else None,

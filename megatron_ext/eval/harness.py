@@ -134,7 +134,7 @@ def _eta(seconds: float) -> str:
 
 
 def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int, concurrency: int = 1,
-              config: Optional[EpisodeConfig] = None, log: Callable[[str], None] = None) -> dict:
+              config: Optional[EpisodeConfig] = None, log: Optional[Callable[[str], None]] = None) -> dict:
     """Run every (task, pass) without a result in `run`; returns {"ran", "skipped", "failed": [(task, pass, error)]}."""
     config = config or EpisodeConfig()
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))

@@ -98,9 +98,10 @@ def pass_ks(passes: int) -> list[int]:
     return ks + [passes] if passes else []
 
 
-def summarise(tasks: list[Task], records: list[dict], passes: int, prices: Prices = Prices(),
+def summarise(tasks: list[Task], records: list[dict], passes: int, prices: Optional[Prices] = None,
               token_counter: str = "estimate: 4 bytes a token") -> dict:
     """summary.json: overall numbers, then per-task results keyed by task id."""
+    prices = prices or Prices()
     by_task = {t.id: [] for t in tasks}
     for r in records:
         by_task[r["task"]].append(r)

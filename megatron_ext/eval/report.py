@@ -21,7 +21,8 @@ def cost_axis(summary: dict) -> tuple[str, str]:
 
 def overview_rows(summary: dict) -> list:
     eff = summary["efficiency"]
-    rows = [["accuracy", fmt(summary["accuracy"]), f"{interval(summary['accuracy_ci'])} ({summary['accuracy_ci_method']})"],
+    rows = [["accuracy", fmt(summary["accuracy"]),
+             f"{interval(summary['accuracy_ci'])} ({summary['accuracy_ci_method']})"],
             ["accuracy, Wilson", fmt(summary["accuracy"]), f"{interval(summary['accuracy_wilson'])} "
                                                            f"({summary['accuracy_wilson_method']})"],
             *[[f"pass@{k}", fmt(v), "unbiased estimator 1 - C(n-c,k)/C(n,k), mean over tasks"]

@@ -94,7 +94,8 @@ def paired_permutation(differences: Sequence[float], exact_up_to: int = 16, resa
     rng = np.random.default_rng(seed)
     signs = rng.choice((1.0, -1.0), size=(resamples, nonzero.size))
     hits = int(np.sum(np.abs(signs @ nonzero) >= observed))
-    return (hits + 1) / (resamples + 1), f"paired sign-flip permutation, Monte Carlo ({resamples} resamples, seed {seed})"
+    method = f"paired sign-flip permutation, Monte Carlo ({resamples} resamples, seed {seed})"
+    return (hits + 1) / (resamples + 1), method
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

@@ -91,7 +91,8 @@ def test_oracle_scores_one_with_every_metric(runs):
     e = episodes[0]
     assert e["reward"]["correctness"] == 1.0 and "4 passed" in e["grading"]["output"]
     assert [c["name"] for c in e["tool_calls"]] == [a["name"] for a in ORACLE]
-    assert e["transcript"][-1]["content"] == "finished" and e["usage"]["output_tokens"] == e["counts"]["tool_call_tokens"]
+    assert e["transcript"][-1]["content"] == "finished"
+    assert e["usage"]["output_tokens"] == e["counts"]["tool_call_tokens"]
     out = runs["oracle"]
     assert "[4/4]" in out.stderr and "accuracy so far 1.000" in out.stderr and "accuracy 1.000" in out.stdout
     md = open(os.path.join(run_dir, "report.md")).read()
