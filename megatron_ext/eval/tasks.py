@@ -33,7 +33,7 @@ def resolve_suite(spec: str) -> str:
                             f"(megatron_ext.eval.suites: {e})") from None
         try:
             return materialize(name)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, RuntimeError) as e:  # an unknown name, a fetch or mining failure
             raise TaskError(f"--tasks {spec}: {e}") from None
     if not os.path.exists(spec):
         raise TaskError(f"--tasks {spec}: no such file or directory (a .json/.jsonl task file, a directory of "
