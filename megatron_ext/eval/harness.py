@@ -6,8 +6,8 @@
 
 A run directory holds `run.json` (the suite, the agent and the task ids it was started with) and one file per
 finished episode. Resuming (the same command again, also after kill -9) runs only the episodes without a file;
-more --passes adds passes. An episode that could not run at all (a sandbox that failed to start) writes nothing
-and is retried on the next resume. Episodes share nothing but the agent factory, so threads suffice: the work
+more --passes adds passes. An episode that could not run at all (a sandbox that failed to start, an agent server
+that could not be reached) writes nothing and is retried on the next resume. Episodes share nothing but the agent factory, so threads suffice: the work
 happens in sandboxed subprocesses and in the model server.
 """
 
@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Optional
 
@@ -115,13 +116,37 @@ def task_config(config: EpisodeConfig, task: Task) -> EpisodeConfig:
     return dataclasses.replace(config, sandbox=dataclasses.replace(config.sandbox, limits=limits))
 
 
+class Unreachable(RuntimeError):
+    """The agent's server could not be reached: the episode says nothing about the agent, so it is not stored."""
+
+
+class _Watched:
+    """An agent whose failures to reach its server (no HTTP response: refused, reset, timed out) are remembered.
+    EndpointAgent re-raises them as AgentError; the original stays the exception's __context__."""
+
+    def __init__(self, agent):
+        self.agent, self.unreachable = agent, None
+
+    def act(self, messages, tools):
+        try:
+            return self.agent.act(messages, tools)
+        except Exception as e:
+            cause = e.__cause__ or e.__context__ or e
+            if isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError):
+                self.unreachable = e
+            raise
+
+
 def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig) -> dict:
     """One episode as the record the run stores: the episode's JSON plus pass index and token usage."""
     agent = factory(task, index)
+    watched = _Watched(agent)
     try:
-        result = run_episode(task, agent, task_config(config, task))
+        result = run_episode(task, watched, task_config(config, task))
     finally:
         agent.close()
+    if watched.unreachable is not None:
+        raise Unreachable(str(watched.unreachable))
     record = {"pass": index, **result.to_json()}
     record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
     record["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -169,12 +194,12 @@ def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int
                     done_so_far += 1
                     correct = record["reward"].get("correctness", 0.0) == 1.0
                     correct_so_far += correct
-                    rate = (time.monotonic() - start) / ran
+                    per_episode = (time.monotonic() - start) / ran  # wall clock, episodes overlapping
                     remaining = len(todo) - ran - len(failed)
                     log(f"[{done_so_far}/{total}] {task.id} pass {k}: {record['status']}, "
                         f"{'correct' if correct else 'wrong'}, reward {record['reward'].get('total', 0.0):.3f}, "
                         f"{record['wall_s']:.1f} s | accuracy so far {correct_so_far / done_so_far:.3f} | "
-                        f"eta {_eta(rate * remaining / max(1, concurrency))}")
+                        f"eta {_eta(per_episode * remaining)}")
         except BaseException:
             for f in futures:
                 f.cancel()

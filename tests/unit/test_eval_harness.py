@@ -173,6 +173,21 @@ def test_killed_run_resumes_without_redoing_finished_episodes(tmp_path, capsys):
         RunDir(out).start({**json.load(open(os.path.join(out, "run.json"))), "agent": f"script:{root}"})
 
 
+def test_unreachable_endpoint_stores_nothing_and_is_retried(runs, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tasks = runs["tasks"][:1]
+    run = RunDir(str(tmp_path / "down"))
+    factory = make_factory(f"endpoint:http://127.0.0.1:{port}", tasks, timeout_s=5)
+    lines = []
+    outcome = run_suite(tasks, factory, run, 2, 2, _config(str(tmp_path)), log=lines.append)
+    assert outcome["ran"] == 0 and len(outcome["failed"]) == 2 and "Connection refused" in outcome["failed"][0][2]
+    assert run.records(tasks, 2) == [] and "retried when the run is resumed" in lines[0]
+
+
 def test_bad_inputs_are_named(tmp_path, capsys):
     suite = make_suite(str(tmp_path))
     tasks = load_suite(suite)
