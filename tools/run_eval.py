@@ -111,6 +111,10 @@ def run_compare(args) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    empty = [r for r, (_, s) in zip(args.compare, runs) if s["accuracy"] is None]
+    if empty:
+        print(f"error: --compare: {empty} have no finished episodes (resume them first)", file=sys.stderr)
+        return 2
     names = [n for n, _ in runs]
     if len(set(names)) < len(names):
         runs = [(os.path.normpath(r), s) for r, (_, s) in zip(args.compare, runs)]

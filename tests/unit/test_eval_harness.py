@@ -186,6 +186,9 @@ def test_unreachable_endpoint_stores_nothing_and_is_retried(runs, tmp_path):
     outcome = run_suite(tasks, factory, run, 2, 2, _config(str(tmp_path)), log=lines.append)
     assert outcome["ran"] == 0 and len(outcome["failed"]) == 2 and "Connection refused" in outcome["failed"][0][2]
     assert run.records(tasks, 2) == [] and "retried when the run is resumed" in lines[0]
+    summary = publish(run, tasks, 2, Prices(), "estimate")  # an empty run still gets a summary and a report
+    assert summary["accuracy"] is None and summary["episodes"] == 0 and not summary["complete"]
+    assert "| episodes | 0 | 0 of 1 tasks x 2 passes; complete: no |" in open(run.root + "/report.md").read()
 
 
 def test_bad_inputs_are_named(tmp_path, capsys):
