@@ -309,7 +309,7 @@ def _run_hf(args, log) -> dict:
 def _run_checkpoint(argv: list[str], log) -> dict:
     from megatron_ext.arguments import ArgumentError, parse_args
     from megatron_ext.inference.engine import InferenceEngine
-    from megatron_ext.training.checkpointing import load_checkpoint, read_tracker
+    from megatron_ext.training.checkpointing import CheckpointError, load_checkpoint, read_tracker
     from megatron_ext.training.initialize import destroy, initialize_distributed
     from megatron_ext.training.step import build_model
 
@@ -333,7 +333,10 @@ def _run_checkpoint(argv: list[str], log) -> dict:
     initialize_distributed(args)
     try:
         model = build_model(args, wrap_ddp=False)
-        load_checkpoint(args, model, None, None, log=lambda *a, **k: None)
+        try:
+            load_checkpoint(args, model, None, None, log=lambda *a, **k: None)
+        except CheckpointError as e:
+            raise NLLError(str(e)) from None
         model[0].eval()
         try:
             engine = InferenceEngine(model[0], vocab_size=tok.vocab_size)

@@ -31,9 +31,8 @@ SOURCES = {"pkg/mod.py": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n    return a + b
            "bin.py": b"\xff\xfe\x00binary".decode("latin-1")}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nll")
+def build_inputs(root) -> dict:
+    """A tokenizer, the tiny model imported (ckpt) and exported back (exported), and a repository to score."""
     tok_dir = str(root / "tokenizer")
     bpe.save(bpe.train_bpe(read_texts(small_corpus(str(root))), VOCAB), tok_dir)
     model = make_hf_model("qlora_groups", vocab_size=VOCAB)
@@ -50,6 +49,11 @@ def setup(tmp_path_factory):
         data = text.encode("latin-1") if rel == "bin.py" else text.encode()
         (repo / rel).write_bytes(data)
     return {"tok": tok_dir, "ckpt": ckpt, "exported": exported, "repo": str(repo), "root": root}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return build_inputs(tmp_path_factory.mktemp("nll"))
 
 
 def _context_start(t: int) -> int:

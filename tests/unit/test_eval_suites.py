@@ -91,6 +91,21 @@ def test_materialize_mines_verified_tasks(built):
     assert os.path.isfile(os.path.join(cache, "sdists", "texty-0.1.tar.gz"))
 
 
+def test_built_suite_runs_through_the_episode_code(built, tmp_path):
+    """The relocated paths work where it matters: an oracle restoring the body scores 1, a no-op 0."""
+    from megatron_ext.env.agents import ScriptAgent
+    from megatron_ext.env.episode import EpisodeConfig, run_episode
+    from megatron_ext.env.sandbox import BubblewrapConfig
+
+    shout = load_tasks(built[1])[0]
+    body = '    loud = text.upper()\n    return loud + "!"\n'
+    oracle = [{"name": "edit_file", "arguments": {"path": "texty.py", "old_text": "    raise NotImplementedError\n",
+                                                  "new_text": body}}]
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
+    assert run_episode(shout, ScriptAgent(oracle), config).reward["correctness"] == 1.0
+    assert run_episode(shout, ScriptAgent([]), config).reward["correctness"] == 0.0
+
+
 def test_cached_builds_are_offline_and_do_not_mine_again(built, local, monkeypatch):
     cache, path = built
     _, _, registry = local
