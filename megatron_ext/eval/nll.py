@@ -259,6 +259,8 @@ def _hf_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None,
                    help="tokenizer file or directory (default: the --hf-dir's own tokenizer files)")
     p.add_argument("--tokenizer-type", default=None, help="HFTokenizer | TikTokenizer (default: inferred)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the model code shipped in --hf-dir (e.g. Kimi K2.5's kimi_k25)")
     return p
 
 
@@ -286,7 +288,7 @@ def _run_hf(args, log) -> dict:
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         raise NLLError(f"--hf-dir {args.hf_dir}: no config.json (not a Hugging Face model directory)")
     tok = _tokenizer(args.tokenizer_type, args.tokenizer_model or args.hf_dir)
-    config = AutoConfig.from_pretrained(args.hf_dir)
+    config = AutoConfig.from_pretrained(args.hf_dir, trust_remote_code=args.trust_remote_code)
     config = getattr(config, "text_config", None) or config
     context = args.context_length or getattr(config, "max_position_embeddings", None)
     if not context:
@@ -294,7 +296,8 @@ def _run_hf(args, log) -> dict:
     windows(2, context, _stride(args, context))  # validates both before the model is loaded
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.hf_dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model = model.to(device).eval()
     vocab = model.get_output_embeddings().weight.size(0)
     if tok.vocab_size > vocab:
         raise NLLError(f"the tokenizer has {tok.vocab_size} ids, the model's head {vocab}: they do not belong "

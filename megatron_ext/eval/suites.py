@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 CURSORBENCH = {"median_changed_lines": 181, "median_instruction_chars": 390}  # REFERENCE.md
@@ -82,11 +83,8 @@ def cache_root(cache_dir: Optional[str] = None) -> str:
 
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @contextlib.contextmanager
@@ -129,7 +127,7 @@ def _pip_download(sdist: Sdist, dest: str, local_dir: Optional[str]):
     requirements = os.path.join(dest, "requirements.txt")
     with open(requirements, "w") as f:
         f.write(f"{sdist.name}=={sdist.version} --hash=sha256:{sdist.sha256}\n")
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    run = subprocess.run(check=False, args=[sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                           "--require-hashes", "-r", requirements, "-d", dest, "--retries", "1", "--timeout", "30",
                           "--quiet"], capture_output=True, text=True)
     os.remove(requirements)
@@ -149,8 +147,7 @@ def _mining_key(sdist: Sdist) -> str:
     """Pins, mining settings and the mining code: any change re-mines."""
     from megatron_ext.env import mining
 
-    code = open(mining.__file__, "rb").read()
-    text = json.dumps({"sdist": asdict(sdist), "mining": hashlib.sha256(code).hexdigest()}, sort_keys=True)
+    text = json.dumps({"sdist": asdict(sdist), "mining": sha256_file(mining.__file__)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -194,14 +191,14 @@ def materialize(name: str, cache_dir: Optional[str] = None, sdist_dir: Optional[
         for sdist, take in suite.packages:
             mined = mine_package(sdist, root, sdist_dir, log)
             rel = os.path.relpath(os.path.dirname(mined), os.path.join(root, "built"))
-            for line in open(mined).read().splitlines()[:take]:
+            for line in Path(mined).read_text().splitlines()[:take]:
                 task = json.loads(line)
                 task["repo"] = os.path.join(rel, task["repo"])
                 task["hidden_tests"] = os.path.join(rel, task["hidden_tests"])
                 lines.append(json.dumps(task, sort_keys=True))
         out = os.path.join(root, "built", f"{name}.jsonl")
         text = "".join(line + "\n" for line in lines)
-        if not (os.path.isfile(out) and open(out).read() == text):
+        if not (os.path.isfile(out) and Path(out).read_text() == text):
             with atomic_output(out) as f:
                 f.write(text)
     return out
@@ -210,7 +207,7 @@ def materialize(name: str, cache_dir: Optional[str] = None, sdist_dir: Optional[
 def statistics_of(path: str) -> dict:
     """Per package and overall: task count, median changed lines of the reference solutions, median instruction
     characters (the two figures REFERENCE.md gives for CursorBench)."""
-    tasks = [json.loads(line) for line in open(path) if line.strip()]
+    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     groups: dict[str, list[dict]] = {}
     for t in tasks:
         groups.setdefault(t["metadata"].get("source", "?"), []).append(t)

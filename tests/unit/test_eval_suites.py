@@ -169,7 +169,7 @@ def test_unknown_suite(tmp_path):
 
 
 def test_pins_are_well_formed():
-    for name, suite in suites.SUITES.items():
+    for suite in suites.SUITES.values():
         for sdist, take in suite.packages:
             assert len(sdist.sha256) == 64 and int(sdist.sha256, 16) >= 0
             assert sdist.filename.endswith(f"-{sdist.version}.tar.gz") and 1 <= take <= sdist.max_tasks
