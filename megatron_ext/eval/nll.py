@@ -386,10 +386,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(message, file=sys.stderr, flush=True)
 
     try:
-        if any(a == "--hf-dir" or a.startswith("--hf-dir=") for a in argv):
+        hf, load = (any(a == flag or a.startswith(flag + "=") for a in argv) for flag in ("--hf-dir", "--load"))
+        if hf and load:
+            raise NLLError("--load and --hf-dir exclude each other: score one model per run (compare the --out "
+                           "files, same --repo, --context-length and --stride)")
+        if hf:
             args = _hf_parser().parse_args(argv)
             report = _run_hf(args, log)
-        elif any(a == "--load" or a.startswith("--load=") for a in argv) or {"-h", "--help"} & set(argv):
+        elif load or {"-h", "--help"} & set(argv):
             args, report = _run_checkpoint(argv, log)
         else:
             raise NLLError("pass --load CKPT (our checkpoint, with --tokenizer-model) or --hf-dir DIR (a Hugging "

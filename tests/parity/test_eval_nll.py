@@ -126,3 +126,13 @@ def test_hf_dir_gives_the_same_figures(setup, tmp_path, capsys):
         assert report["files"][rel]["tokens"] == fig["tokens"]
         assert report["files"][rel]["nll_nats"] == pytest.approx(fig["nll_nats"], rel=RTOL)
     assert "total:" in capsys.readouterr().out
+
+
+def test_checkpoint_flag_errors(setup, capsys):
+    base = ["--load", setup["ckpt"], "--repo", setup["repo"]]
+    assert nll.main(base) == 2
+    assert "--load needs --tokenizer-model PATH" in capsys.readouterr().err
+    assert nll.main(base + ["--tokenizer-model", setup["tok"], "--context-length", "8", "--stride", "8"]) == 2
+    assert "--stride 8 must be between 1 and context length - 1 = 7" in capsys.readouterr().err
+    assert nll.main(["--load", str(setup["root"] / "missing"), "--repo", setup["repo"]]) == 2
+    assert "missing does not exist" in capsys.readouterr().err

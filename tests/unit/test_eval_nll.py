@@ -84,6 +84,8 @@ def test_source_files_globs_and_skips(tmp_path):
 def test_clear_errors(tmp_path, capsys):
     assert nll.main(["--repo", str(tmp_path)]) == 2
     assert "pass --load CKPT" in capsys.readouterr().err
+    assert nll.main(["--load", str(tmp_path), "--hf-dir", str(tmp_path), "--repo", str(tmp_path)]) == 2
+    assert "--load and --hf-dir exclude each other" in capsys.readouterr().err
     (tmp_path / "hf").mkdir()
     assert nll.main(["--hf-dir", str(tmp_path / "hf"), "--repo", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
