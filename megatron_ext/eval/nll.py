@@ -142,7 +142,8 @@ class HFScorer:
         try:
             logits = self.model(input_ids=tokens, logits_to_keep=keep, use_cache=False).logits[0]
         except TypeError:  # models without logits_to_keep
-            logits = self.model(input_ids=tokens, use_cache=False).logits[0, first - 1:]
+            logits = self.model(input_ids=tokens, use_cache=False).logits[0]
+        logits = logits[-keep:]  # also right when a model takes logits_to_keep in **kwargs and ignores it
         return target_logprobs(logits[:-1], tokens[0, first:], self.vocab_size)
 
 
