@@ -186,12 +186,14 @@ class Session:
     from the system prompt and the instruction plus the summary, the todo list and the files changed so far
     (``restarted`` is set). Every segment is a generation of the same episode and shares its final reward."""
 
+    system_prompt = SYSTEM_PROMPT  # a subclass (the swarm's orchestrator) sets its own
+
     def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
         self.task, self.config = task, config or EpisodeConfig()
         self.start = time.monotonic()
         self.status: Optional[str] = None  # set when the episode has ended
         self.error: Optional[str] = None
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+        self.messages = [{"role": "system", "content": self.system_prompt},
                          {"role": "user", "content": task.instruction}]
         self.result: Optional[EpisodeResult] = None
         self.segments: list[list[dict]] = []
@@ -274,7 +276,7 @@ class Session:
         state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
                  f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
                  f"## Todo list\n{todos}\n\n## Files changed so far\n{chr(10).join(changed) or '(none)'}")
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": state}]
+        self.messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": state}]
         self.segment_start_tokens = self.context_tokens()
         if self.turn_count >= self.task.max_turns:
             self.status = "max_turns"
