@@ -372,15 +372,15 @@ class Swarm:
             raise ToolError("create_subagent: name must be 1-64 characters without spaces")
         if name in self.specs:
             raise ToolError(f"create_subagent: a sub-agent named {name!r} exists; use another name")
-        if len(self.specs) >= self.config.max_subagents:
-            raise ToolError(f"create_subagent: at most {self.config.max_subagents} sub-agents "
-                            f"(--swarm-max-subagents); reuse one with assign_task")
         if not instructions.strip():
             raise ToolError("create_subagent: instructions are empty; describe the sub-agent's role")
         allowed = list(SCHEMAS) if tools is None else list(dict.fromkeys(tools))
         unknown = [t for t in allowed if t not in SCHEMAS]
         if unknown:
             raise ToolError(f"create_subagent: unknown tools {unknown}; sub-agents may use {list(SCHEMAS)}")
+        if len(self.specs) >= self.config.max_subagents:
+            raise ToolError(f"create_subagent: at most {self.config.max_subagents} sub-agents "
+                            f"(--swarm-max-subagents); reuse one with assign_task")
         if "finish" not in allowed:
             allowed.append("finish")
         self.specs[name] = SubAgentSpec(name, instructions.strip(), allowed)
