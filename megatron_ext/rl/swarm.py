@@ -57,7 +57,7 @@ class SwarmEnvFactory(CodingEnvFactory):
             raise ValueError("--swarm-subagent-policy pinned runs a sub-agent engine on every rank by itself: it needs "
                              "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (or serve a frozen "
                              "checkpoint and use endpoint:URL)")
-        self.args, self.pin_interval, self.trainer = args, args.swarm_subagent_pin_interval, None
+        self.args, self.pin_interval, self.trainer, self.log = args, args.swarm_subagent_pin_interval, None, log
         self.policy_kwargs = {"max_tokens": args.swarm_subagent_tokens_per_turn,
                               "temperature": args.swarm_subagent_temperature}
         super().__init__(args, tokenizer, log=log)
@@ -74,6 +74,7 @@ class SwarmEnvFactory(CodingEnvFactory):
         if isinstance(policy, EnginePolicy) and self.trainer is not None and self.pin_interval and \
                 self.trainer.iteration - policy.version >= self.pin_interval:
             policy.pin(self.trainer.model, self.trainer.iteration)
+            self.log(f"swarm: sub-agents re-pinned to the policy's weights at version {self.trainer.iteration}")
 
     def attach(self, trainer):
         """rl_composer.py calls this once the trainer (its model and version) exists: the pinned policy is built."""
@@ -89,6 +90,8 @@ class SwarmEnvFactory(CodingEnvFactory):
         engine = InferenceEngine(model, weights_version=trainer.iteration)
         engine.update_weights(trainer.model, version=trainer.iteration)
         self.policy = EnginePolicy(engine, self.tokenizer, **self.policy_kwargs)
+        self.log(f"swarm: sub-agents run the policy's weights at version {trainer.iteration} in a local engine copy"
+                 + (f", re-pinned every {self.pin_interval} steps" if self.pin_interval else ""))
 
     def __call__(self) -> CodingRLEnv:
         if self.policy is None:
