@@ -76,7 +76,10 @@ def make_task(root, **overrides) -> str:
             "test_command": TEST_COMMAND, "timeout_s": 120, "hidden_tests": "hidden",
             "forbidden": ["tests/*", "tests_hidden/*", "*conftest.py"], "max_turns": 12, "command_timeout_s": 60,
             "metadata": {"source": "test fixture", "category": "feature deletion", "reference_diff_lines": 1}}
-    task.update(overrides)
+    return _write_task(root, {**task, **overrides})
+
+
+def _write_task(root, task: dict) -> str:
     path = os.path.join(root, "task.json")
     with open(path, "w") as f:
         json.dump(task, f)
@@ -138,11 +141,7 @@ def make_two_part_task(root, **overrides) -> str:
             "test_command": "python -m pytest -q -p no:cacheprovider tests_hidden",
             "forbidden": ["tests/*", "tests_hidden/*", "*conftest.py"], "max_turns": 20, "command_timeout_s": 60,
             "metadata": {"source": "test fixture", "category": "two independent parts", "reference_diff_lines": 2}}
-    task.update(overrides)
-    path = os.path.join(root, "task.json")
-    with open(path, "w") as f:
-        json.dump(task, f)
-    return path
+    return _write_task(root, {**task, **overrides})
 
 
 def _part(path: str, stub: str, body: str, check: str) -> list[dict]:

@@ -351,11 +351,15 @@ class Session:
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
     """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
-    session = Session(task, config)
+    return drive(Session(task, config), agent, TOOL_SCHEMAS)
+
+
+def drive(session: Session, agent: Agent, tools: list[dict]) -> EpisodeResult:
+    """run_episode's loop over any Session (a subclass offers other tools: the swarm's orchestrator)."""
     try:
         while not session.done:
             try:
-                reply = agent.act([dict(m) for m in session.messages], TOOL_SCHEMAS)
+                reply = agent.act([dict(m) for m in session.messages], tools)
             except Exception as e:  # a broken agent or server ends this episode, not the run
                 session.fail(e)
                 break

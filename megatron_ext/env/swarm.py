@@ -61,7 +61,7 @@ from typing import Optional, Protocol
 
 from megatron_ext.env.agents import AgentError, EndpointAgent, LocalAgent, ScriptAgent, check_actions
 from megatron_ext.env.episode import (Agent, EpisodeConfig, EpisodeResult, Session, _restore, _text, changed_paths,
-                                      snapshot)
+                                      drive, snapshot)
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import SCHEMAS, TOOL_SCHEMAS, Toolbox, ToolError, _fn, truncate
 
@@ -333,7 +333,8 @@ class SubAgentRun:
         return changed_paths(self.session.pristine, self.final) if self.final is not None else []
 
     def report(self) -> str:
-        s = f"sub-agent {self.spec.name}: {self.status} after {self.steps} steps ({(self.end or time.monotonic()) - self.start:.1f} s)"
+        seconds = (self.end or time.monotonic()) - self.start
+        s = f"sub-agent {self.spec.name}: {self.status} after {self.steps} steps ({seconds:.1f} s)"
         if self.status == "timeout":
             s += f"; wall-clock limit {self.timeout_s:g} s; no result to merge"
         if self.error:
@@ -663,15 +664,4 @@ class SwarmSession(Session):
 def run_swarm_episode(task: Task, orchestrator: Agent, policy: SubAgentPolicy, config: Optional[EpisodeConfig] = None,
                       swarm: Optional[SwarmConfig] = None) -> SwarmResult:
     """env/episode.py's agent loop for an orchestrator (SWARM_TOOL_SCHEMAS) with sub-agents from `policy`."""
-    session = SwarmSession(task, config, swarm or SwarmConfig(), policy)
-    try:
-        while not session.done:
-            try:
-                reply = orchestrator.act([dict(m) for m in session.messages], SWARM_TOOL_SCHEMAS)
-            except Exception as e:  # a broken orchestrator ends this episode, not the run
-                session.fail(e)
-                break
-            session.apply(reply)
-        return session.finish()
-    finally:
-        session.close()
+    return drive(SwarmSession(task, config, swarm or SwarmConfig(), policy), orchestrator, SWARM_TOOL_SCHEMAS)
