@@ -259,3 +259,51 @@ def test_run_episode_runs_a_swarm_from_the_command_line(tmp_path):
     assert out["status"] == "finished" and out["reward"]["correctness"] == 1.0
     assert out["critical_steps"] == 6 and out["total_steps"] == 10 and out["stages"] == [[1, 4], [1, 0]]
     assert [s["name"] for s in out["subagents"]] == ["geometry", "text"]
+
+
+def test_endpoint_subagents_call_the_server_concurrently(tmp_path):
+    """Sub-agents behind an OpenAI-compatible endpoint (env/agents.py's client): two requests in flight at once."""
+    import http.server
+
+    state = {"active": 0, "most": 0, "requests": []}
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                state["active"] += 1
+                state["most"] = max(state["most"], state["active"])
+                state["requests"].append(body)
+            time.sleep(0.8)
+            with lock:
+                state["active"] -= 1
+            message = {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.finish:0", "type":
+                       "function", "function": {"name": "finish", "arguments": json.dumps({"message": "done"})}}]}
+            data = json.dumps({"choices": [{"message": message}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        task, config = _setup(tmp_path)
+        policy = make_subagent_policy(f"endpoint:http://127.0.0.1:{server.server_address[1]}", max_tokens=64)
+        orchestrator = ScriptAgent([
+            [{"name": "create_subagent", "arguments": {"name": n, "instructions": "help", "tools": ["read_file"]}}
+             for n in "ab"] + [{"name": "assign_task", "arguments": {"subagent": n, "task": "t"}} for n in "ab"] +
+            [{"name": "wait", "arguments": {}}]])
+        result = run_swarm_episode(task, orchestrator, policy, config)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert state["most"] == 2 and len(state["requests"]) == 2
+    assert {t["function"]["name"] for t in state["requests"][0]["tools"]} == {"read_file", "finish"}
+    assert state["requests"][0]["messages"][1] == {"role": "user", "content": "t"}
+    assert result.swarm["finished"] == 2 and result.reward["r_finish"] == 1.0
