@@ -402,6 +402,7 @@ class Swarm:
         sub = Task(id=f"{parent.task.id}/{subagent}#{len(self.runs)}", repo=parent.box.workspace, instruction=task,
                    test_command="true", timeout_s=1.0, max_turns=self.config.subagent_max_turns,
                    command_timeout_s=parent.task.command_timeout_s)
+        # no self-summarisation: a sub-agent past its token budget ends ("budget") and reports what it has
         session = Session(sub, dataclasses.replace(parent.config, summarize_at=None))
         session.messages[0]["content"] = f"{SUBAGENT_SYSTEM_PROMPT}\n\n{spec.instructions}"
         session.toolbox = ScopedToolbox(session.box, session.toolbox.limits)
@@ -591,8 +592,9 @@ class SwarmToolbox(Toolbox):
 # the orchestrator's episode
 # ---------------------------------------------------------------------------------------------------------------
 
-SWARM_PARTS = ("swarm_critical_steps", "swarm_total_steps", "swarm_subagents", "swarm_peak_concurrency",
-               "swarm_failures", "swarm_timeouts")  # statistics carried as weight-0 reward parts (RL logs them)
+# statistics carried as weight-0 reward parts (RL logs each as "reward NAME" and writes it to rollouts.jsonl)
+SWARM_PARTS = ("swarm_critical_steps", "swarm_total_steps", "swarm_wall_s", "swarm_subagents",
+               "swarm_peak_concurrency", "swarm_mean_concurrency", "swarm_failures", "swarm_timeouts")
 
 
 @dataclass
@@ -646,8 +648,8 @@ class SwarmSession(Session):
         total = self.turn_count + stats["subagent_steps"]
         lambdas = ((self.config.weights or {}).get("swarm") or self.swarm.config.schedule.weights(0))
         reward = parl_reward(base.reward, *self.swarm.parl_terms(), lambdas)
-        values = (critical, total, stats["subagents_assigned"], stats["peak_concurrency"], stats["failures"],
-                  stats["timeouts"])
+        values = (critical, total, base.wall_s, stats["subagents_assigned"], stats["peak_concurrency"],
+                  stats["mean_concurrency"], stats["failures"], stats["timeouts"])
         for name, value in zip(SWARM_PARTS, values):
             reward[name], reward["weights"][name] = float(value), 0.0
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(EpisodeResult)}

@@ -307,3 +307,25 @@ def test_endpoint_subagents_call_the_server_concurrently(tmp_path):
     assert {t["function"]["name"] for t in state["requests"][0]["tools"]} == {"read_file", "finish"}
     assert state["requests"][0]["messages"][1] == {"role": "user", "content": "t"}
     assert result.swarm["finished"] == 2 and result.reward["r_finish"] == 1.0
+
+
+def test_turn_and_token_budgets_end_a_subagent_with_a_report_and_it_can_be_reassigned(tmp_path):
+    task, config = _setup(tmp_path)
+    start = [{"name": "create_subagent", "arguments": {"name": "geometry", "instructions": "geometry"}},
+             {"name": "assign_task", "arguments": {"subagent": "geometry", "task": "area"}}]
+    again = [{"name": "assign_task", "arguments": {"subagent": "geometry", "task": "area, again"}},
+             {"name": "wait", "arguments": {}}]
+    orchestrator = [start + [{"name": "wait", "arguments": {}}], again, {"name": "merge", "arguments": {
+        "subagent": "geometry"}}]
+    by_turns = run_swarm_episode(task, ScriptAgent(orchestrator), ScriptedPolicy(TWO_PART_SUBAGENTS), config,
+                                 SwarmConfig(subagent_max_turns=2))
+    obs = _observations(by_turns)
+    assert "sub-agent geometry: max_turns after 2 steps" in obs[2] and "files changed: kit/area.py" in obs[2]
+    assert "assigned to geometry (run 1)" in obs[3] and "max_turns after 2 steps" in obs[4]
+    assert "merged geometry: 1 file(s) applied" in obs[5]  # the latest collected run is merged
+    assert by_turns.stages == [[1, 2], [1, 2], [2, 0]] and by_turns.critical_steps == 8
+    assert by_turns.swarm["assignments"] == 2 and by_turns.reward["r_finish"] == 0.0
+    by_tokens = run_swarm_episode(task, ScriptAgent([start + [{"name": "wait", "arguments": {}}]]),
+                                  ScriptedPolicy(TWO_PART_SUBAGENTS), config, SwarmConfig(subagent_max_tokens=60))
+    assert "sub-agent geometry: budget after 1 steps" in _observations(by_tokens)[2]
+    assert by_tokens.reward["swarm_wall_s"] == by_tokens.wall_s > 0 and os.listdir(tmp_path / "boxes") == []
