@@ -180,19 +180,24 @@ class ScriptedPolicy:
         if name not in self.scripts and "*" not in self.scripts:
             raise AgentError(f"no script for sub-agent {name!r} (scripts: {sorted(self.scripts)})")
         agent = ScriptAgent(self.scripts.get(name, self.scripts.get("*")))
-        if not self.delay_s:
-            return agent
-        delay, act = self.delay_s, agent.act
-
-        def slow(messages, tools):
-            time.sleep(delay)
-            return act(messages, tools)
-
-        agent.act = slow
-        return agent
+        return Delayed(agent, self.delay_s) if self.delay_s else agent
 
     def close(self):
         pass
+
+
+class Delayed:
+    """An agent whose every turn first sleeps delay_s: a model's latency, for tests and benchmarks."""
+
+    def __init__(self, agent: Agent, delay_s: float):
+        self.agent, self.delay_s = agent, delay_s
+
+    def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        time.sleep(self.delay_s)
+        return self.agent.act(messages, tools)
+
+    def close(self):
+        getattr(self.agent, "close", lambda: None)()
 
 
 class EndpointPolicy:
@@ -579,13 +584,19 @@ class SwarmToolbox(Toolbox):
         return self.swarm.create(name, instructions, tools)
 
     def _assign_task(self, subagent: str, task: str, timeout_s: Optional[int] = None) -> str:
-        return self.swarm.assign(subagent, task, timeout_s)
+        try:
+            return self.swarm.assign(subagent, task, timeout_s)
+        except OSError as e:  # copying the workspace failed: the call fails, the episode goes on
+            raise ToolError(f"assign_task: cannot copy the workspace ({e})") from None
 
     def _wait(self, subagents: Optional[list] = None, timeout_s: Optional[int] = None) -> str:
         return self.swarm.wait(subagents, timeout_s)
 
     def _merge(self, subagent: str) -> str:
-        return self.swarm.merge(subagent)
+        try:
+            return self.swarm.merge(subagent)
+        except OSError as e:
+            raise ToolError(f"merge: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
