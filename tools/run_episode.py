@@ -61,11 +61,18 @@ def main(argv=None) -> int:
                 raise ValueError("--agent-mode swarm needs --swarm-subagent-policy endpoint:URL, local:CKPT or "
                                  "script:SCRIPTS.json (pinned exists only inside rl_composer.py)")
             swarm = swarm_config(args)
-            sub_kwargs = {**kwargs, "max_tokens": args.swarm_subagent_tokens_per_turn,
+            sub_kwargs = {"model": args.model, "max_tokens": args.swarm_subagent_tokens_per_turn,
                           "temperature": args.swarm_subagent_temperature}
+            if args.swarm_subagent_policy.startswith("local:"):
+                sub_kwargs["serve_args"] = tuple(args.serve_arg)
             policy = make_subagent_policy(args.swarm_subagent_policy,
                                           **({} if args.swarm_subagent_policy.startswith("script:") else sub_kwargs))
-        agent = make_agent(args.agent, **({} if args.agent.startswith("script:") else kwargs))
+        try:
+            agent = make_agent(args.agent, **({} if args.agent.startswith("script:") else kwargs))
+        except BaseException:
+            if policy is not None:  # a sub-agent server already started
+                policy.close()
+            raise
     except (TaskError, AgentError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
