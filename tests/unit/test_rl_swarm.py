@@ -190,3 +190,23 @@ def test_tiny_model_trains_with_the_swarm_tools_through_rl_composer(tmp_path, to
         assert parts["swarm_critical_steps"] >= 1 and 0 <= parts["r_parallel"] <= 1
         assert 1 <= sum(r["loss_mask"]) <= 16  # the orchestrator's tokens, within the generation budget
     assert os.listdir(boxes) == []
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--rl-env swarm needs --tokenizer-model"),
+    (["--tokenizer-model", "TOK"], "--rl-env swarm needs --swarm-subagent-policy"),
+    (["--tokenizer-model", "TOK", "--swarm-subagent-policy", "endpoint:http://x", "--rl-sft-warmup"],
+     "--rl-sft-warmup"),
+    (["--tokenizer-model", "TOK", "--swarm-subagent-policy", "pinned", "--swarm-reward-anneal-steps", "-1"],
+     "--swarm-reward-anneal-steps must be >= 0"),
+])
+def test_rl_composer_swarm_flags_fail_early(tmp_path, tokenizer_dir, capsys, extra, message):
+    from tests.unit.test_rl_coding import _composer
+
+    with open(make_two_part_task(str(tmp_path / "t"))) as f:
+        task = json.load(f)
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({**task, "repo": "t/repo", "hidden_tests": "t/hidden"}) + "\n")
+    extra = [tokenizer_dir if a == "TOK" else a for a in extra]
+    code = _composer().main(["--rl-env", "swarm", "--model", "tiny", "--rl-prompts", str(suite), *extra])
+    assert code == 2 and message in capsys.readouterr().err
