@@ -193,12 +193,14 @@ class Session:
     from the system prompt and the instruction plus the summary, the todo list and the files changed so far
     (``restarted`` is set). Every segment is a generation of the same episode and shares its final reward."""
 
+    system_prompt = SYSTEM_PROMPT  # a subclass (the swarm's orchestrator) sets its own
+
     def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
         self.task, self.config = task, config or EpisodeConfig()
         self.start = time.monotonic()
         self.status: Optional[str] = None  # set when the episode has ended
         self.error: Optional[str] = None
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+        self.messages = [{"role": "system", "content": self.system_prompt},
                          {"role": "user", "content": task.instruction}]
         self.result: Optional[EpisodeResult] = None
         self.segments: list[list[dict]] = []
@@ -281,7 +283,7 @@ class Session:
         state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
                  f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
                  f"## Todo list\n{todos}\n\n## Files changed so far\n{chr(10).join(changed) or '(none)'}")
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": state}]
+        self.messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": state}]
         self.segment_start_tokens = self.context_tokens()
         if self.turn_count >= self.task.max_turns:
             self.status = "max_turns"
@@ -357,11 +359,15 @@ class Session:
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
     """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
-    session = Session(task, config)
+    return drive(Session(task, config), agent, TOOL_SCHEMAS)
+
+
+def drive(session: Session, agent: Agent, tools: list[dict]) -> EpisodeResult:
+    """run_episode's loop over any Session (a subclass offers other tools: the swarm's orchestrator)."""
     try:
         while not session.done:
             try:
-                reply = agent.act([dict(m) for m in session.messages], TOOL_SCHEMAS)
+                reply = agent.act([dict(m) for m in session.messages], tools)
             except Exception as e:  # a broken agent or server ends this episode, not the run
                 session.fail(e)
                 break
