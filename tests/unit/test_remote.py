@@ -264,3 +264,34 @@ def test_a_down_server_fails_only_its_prompts():
             RemoteGenerate(["localhost:8000"])
     finally:
         alive.close()
+
+
+def test_a_server_killed_mid_request_raises_a_retryable_error():
+    """tools/serve.py killed with SIGKILL while it generates: ServerUnavailable naming it, for the orchestrator to
+    requeue the prompts on another worker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny", "--port", "0"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line, deadline = "", time.time() + 120
+        while "serving" not in line and time.time() < deadline:
+            line = proc.stdout.readline()
+        url = line.strip().split(" on ")[1]
+        gen = RemoteGenerate([url])
+        assert gen.versions() == {url: 0}
+        started = time.time()
+        threading.Timer(1.0, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
+        with pytest.raises(ServerUnavailable) as err:
+            gen([[1, 2, 3]] * 4, 8, Sampling(max_tokens=1000, temperature=1.0, seed=1))
+        assert time.time() - started < 60
+        assert url in str(err.value) and err.value.retryable and err.value.prompt_indices == [0, 1, 2, 3]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
