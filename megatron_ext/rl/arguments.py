@@ -65,6 +65,14 @@ def add_rl_args(parser: argparse.ArgumentParser):
     g.add_argument("--rl-eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
     g.add_argument("--rl-sft-warmup", action="store_true",
                    help="train on the prompts' reference answers instead of sampling (supervised warm-up)")
+    s = parser.add_argument_group("rl generation", "how rollouts are decoded")
+    s.add_argument("--rl-speculative", action="store_true",
+                   help="decode rollouts with MTP speculative decoding: lossless (the policy's own distribution; "
+                        "greedy gives the same tokens), logprobs/versions/routing of every token as without it; "
+                        "needs --mtp-num-layers >= 1 (the MTP layers keep learning by detached self-distillation); "
+                        "the acceptance (accepted / proposed drafts) is logged each step as 'mtp acceptance'")
+    s.add_argument("--rl-speculative-depth", type=int, default=None,
+                   help="MTP layers drafting with --rl-speculative (default: all of them)")
 
 
 def validate_rl_args(args: argparse.Namespace):
@@ -96,6 +104,15 @@ def validate_rl_args(args: argparse.Namespace):
         if args.rl_reward_weights:
             fail("--rl-reward-weights names digit reward parts; for --rl-env coding use --env-reward-weights FILE "
                  "or --env-reward-weight NAME=W")
+    mtp = args.arch.mtp_num_layers or 0
+    if args.rl_speculative and not mtp:
+        fail("--rl-speculative drafts with the MTP layers: the model needs --mtp-num-layers >= 1")
+    if args.rl_speculative_depth is not None:
+        if not args.rl_speculative:
+            fail("--rl-speculative-depth needs --rl-speculative")
+        if not 1 <= args.rl_speculative_depth <= mtp:
+            fail(f"--rl-speculative-depth must be between 1 and --mtp-num-layers ({mtp}), got "
+                 f"{args.rl_speculative_depth}")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 

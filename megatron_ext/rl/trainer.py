@@ -66,6 +66,8 @@ class RLConfig:
     eval_samples: int = 4
     eval_temperature: float = 1.0
     sft_warmup: bool = False
+    speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
+    speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
 
 
 def _replica_ranks() -> tuple[int, int]:
@@ -193,7 +195,8 @@ class RLTrainer:
             from megatron_ext.rl.rollout import EngineGenerate
 
             self.engine = InferenceEngine(self.model[0], weights_version=self.iteration)
-            self.generate = EngineGenerate(self.engine)
+            self.generate = EngineGenerate(self.engine, speculative=cfg.speculative,
+                                           draft_depth=cfg.speculative_depth)
         dp = parallel_state.get_data_parallel_world_size()
         cp = parallel_state.get_context_parallel_world_size()
         self.pad_multiple = 2 * cp if cp > 1 else 1
@@ -235,6 +238,7 @@ class RLTrainer:
         args, cfg = self.args, self.cfg
         timers = {}
         t = time.perf_counter()
+        speculation = {}
         admitted = self.ledger.admit(cfg.prompts_per_step)
         groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
         if admitted and cfg.sft_warmup:
@@ -246,8 +250,10 @@ class RLTrainer:
             tasks = [self.by_id[p] for p in admitted]
             self._sync_reward_weights(self.iteration + 1)
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
+            self._speculation()  # drafts of evaluations in between do not count
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
                                   seed=args.seed * 1_000_003 + self.iteration * 7919)
+            speculation = self._speculation()
             _fault("generating", self.iteration)  # groups generated, still in flight
             for g in new:
                 self.ledger.finish(g)
@@ -281,6 +287,7 @@ class RLTrainer:
                     mb["ref_logprobs"] = lp
         timers["reference"] = time.perf_counter() - t
         metrics.update(group_metrics(groups))
+        metrics.update(speculation)
 
         t = time.perf_counter()
         if cfg.iterations > 1:
@@ -311,6 +318,20 @@ class RLTrainer:
         last = results[-1]
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
                 "skipped": any(r["skipped"] for r in results)}
+
+    def _speculation(self) -> dict[str, float]:
+        """MTP drafts accepted / proposed since the last call, over every generation replica ('mtp acceptance'),
+        and tokens per main-model forward; empty without --rl-speculative."""
+        pop = getattr(self.generate, "pop_speculation", None)
+        if not self.cfg.speculative or pop is None:
+            return {}
+        counts = pop()
+        device = self.engine.collective_device() if self.engine is not None else torch.device("cpu")
+        total = torch.tensor([counts["accepted"], counts["drafted"], counts["tokens"], counts["main_forwards"]],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(total)  # each replica's ranks count the same drafts: the ratios are unchanged
+        accepted, drafted, tokens, forwards = total.tolist()
+        return {"mtp acceptance": accepted / max(drafted, 1.0), "mtp tokens per forward": tokens / max(forwards, 1.0)}
 
     def _sync_reward_weights(self, step: int):
         """An environment factory with editable reward weights (`read_weights(step)`, `use_weights(config)`: the

@@ -1,0 +1,124 @@
+"""Speculative rollouts (--rl-speculative): EngineGenerate decoding with MTP drafts is lossless and keeps every
+token's logprobs, versions and routing; the trainer logs the acceptance each step."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.arguments import ArgumentError, parse_args
+from megatron_ext.inference.engine import sampling_probs
+from megatron_ext.rl.arguments import add_rl_args, validate_rl_args
+from megatron_ext.rl.rollout import EngineGenerate, Sampling
+from tests.unit.inference_fixtures import engine, uncached_logits  # noqa: F401 - the module fixture
+
+PROMPTS = [[1, 2, 3, 4], [40, 50, 60], [7, 7, 7, 7, 7]]
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "oracle"])
+def test_greedy_speculative_rollouts_are_the_plain_ones(engine, monkeypatch, drafts):  # noqa: F811
+    """The tiny model's untrained MTP layer drafts badly (every draft rejected); an oracle drafting the plain
+    continuation gets drafts accepted, so the tokens, logprobs and routing of accepted drafts are checked too."""
+    from megatron_ext.inference import speculative
+
+    eng, _ = engine
+    sampling = Sampling(max_tokens=10, temperature=0.0, stop_token_ids=(5,), return_routing=True)
+    plain = EngineGenerate(eng)(PROMPTS, 2, sampling)
+    if drafts == "oracle":
+        whole = {tuple(p): p + g[0].token_ids for p, g in zip(PROMPTS, plain)}
+
+        def oracle(self):
+            seq = next(w for p, w in whole.items() if tuple(self.tokens[: len(p)]) == p)
+            L = len(self.tokens)
+            return [seq[k] if k < len(seq) else 0 for k in range(L, L + self.depth)], [None] * self.depth
+
+        monkeypatch.setattr(speculative._Speculation, "_draft", oracle)
+    gen = EngineGenerate(eng, speculative=True)
+    spec = gen(PROMPTS, 2, sampling)
+    for gs, gp in zip(spec, plain):
+        for a, b in zip(gs, gp):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+            assert a.sampled_logprobs == b.sampled_logprobs == [0.0] * len(a.token_ids)
+            assert a.versions == b.versions == [eng.weights_version] * len(a.token_ids)
+            assert a.routing.dtype == np.int16 and np.array_equal(a.routing, b.routing)
+    counts = gen.pop_speculation()
+    tokens = sum(len(s.token_ids) for g in spec for s in g)
+    assert counts["tokens"] == tokens and counts["drafted"] > 0 and counts["accepted"] <= counts["drafted"]
+    if drafts == "oracle":  # every draft inside the continuation is right; rounds emit two tokens
+        assert counts["accepted"] >= counts["drafted"] - 6
+        assert counts["main_forwards"] <= tokens // 2 + 3 * 6
+    assert gen.pop_speculation() == {"drafted": 0, "accepted": 0, "main_forwards": 0, "tokens": 0}
+
+
+def test_sampled_speculative_rollouts_carry_the_main_models_logprobs(engine):  # noqa: F811
+    eng, model = engine
+    sampling = Sampling(max_tokens=8, temperature=0.9, top_k=30, seed=21)
+    gen = EngineGenerate(eng, speculative=True)
+    groups = gen(PROMPTS, 3, sampling)
+    assert [[s.token_ids for s in g] for g in gen(PROMPTS, 3, sampling)] == [[s.token_ids for s in g] for g in groups]
+    params = dataclasses.replace(_params(sampling))
+    for prompt, group in zip(PROMPTS, groups):
+        assert len({tuple(s.token_ids) for s in group}) > 1  # sample j draws with its own seed
+        for s in group:
+            logits = uncached_logits(model, prompt + s.token_ids)[len(prompt) - 1: -1]
+            raw = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            assert s.logprobs == pytest.approx(raw.tolist(), abs=1e-5)  # what the trainer recomputes
+            q = sampling_probs(logits, params).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0].log()
+            assert s.sampled_logprobs == pytest.approx(q.tolist(), abs=1e-5)
+    assert gen.pop_speculation()["drafted"] > 0
+
+
+def _params(sampling):
+    from megatron_ext.inference.engine import SamplingParams
+
+    return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p)
+
+
+def test_a_model_without_mtp_layers_is_refused(engine):  # noqa: F811
+    eng, _ = engine
+
+    class NoMTP:
+        mtp_layers = []
+
+    with pytest.raises(ValueError, match="MTP layers"):
+        EngineGenerate(NoMTP(), speculative=True)
+    assert EngineGenerate(eng).pop_speculation()["drafted"] == 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--mtp-num-layers", "0", "--rl-speculative"], "needs --mtp-num-layers >= 1"),
+    (["--rl-speculative-depth", "1"], "needs --rl-speculative"),
+    (["--rl-speculative", "--rl-speculative-depth", "2"], "between 1 and --mtp-num-layers (1)"),
+])
+def test_speculative_flags_are_checked(flags, words):
+    args = parse_args(["--model", "tiny", "--mock-data", "--rl-prompts", "x.jsonl", *flags], world_size=1,
+                      extra=[add_rl_args])
+    with pytest.raises(ArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        validate_rl_args(args)
+
+
+def test_rl_run_logs_the_acceptance_every_step(tmp_path):
+    from tests.unit.test_rl_composer import TINY, _prompts, _run
+
+    logs = str(tmp_path / "logs")
+    tb = str(tmp_path / "tb")
+    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
+                     "--rl-speculative", "--tensorboard-dir", tb, "--grpo-max-response-length", "12"])
+    lines = [line for line in p.stdout.splitlines() if " iteration " in line and "mtp acceptance" in line]
+    assert len(lines) == 2, p.stdout[-2000:]
+    for line in lines:
+        value = float(line.split("mtp acceptance: ")[1].split(" ")[0])
+        assert 0.0 <= value <= 1.0
+        assert float(line.split("mtp tokens per forward: ")[1].split(" ")[0]) >= 1.0
+    trained = [json.loads(x) for x in open(os.path.join(logs, "trained_groups.jsonl"))]
+    assert len(trained) == 4  # the rollouts were trained on as usual
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert [e.step for e in events.Scalars("mtp acceptance")] == [1, 2]
