@@ -92,7 +92,7 @@ class RemoteGenerate:
 
     def __init__(self, urls: Sequence[str], timeout: float = 3600.0, max_concurrency: int = 64,
                  routing_shape: Optional[tuple[int, int]] = None, reload_timeout: float = 1800.0,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, speculative: bool = False):
         urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not urls:
             raise ValueError("RemoteGenerate needs at least one server URL")
@@ -101,6 +101,7 @@ class RemoteGenerate:
             raise ValueError(f"server URLs must start with http:// or https://, got {bad}")
         self.urls, self.timeout, self.max_concurrency = urls, timeout, max_concurrency
         self.routing_shape, self.reload_timeout, self.connect_timeout = routing_shape, reload_timeout, connect_timeout
+        self.speculative = speculative  # our servers' MTP drafting ("speculative": true; SGLang: a launch option)
         self._in_flight = {u: 0 for u in urls}
         self._next = 0
         self._lock = threading.Lock()
@@ -187,8 +188,11 @@ class RemoteGenerate:
                 sp["sampling_seed"] = seed + j
             return sp
 
-        return {"input_ids": [list(prompt)] * n, "sampling_params": [params(j) for j in range(n)],
+        body = {"input_ids": [list(prompt)] * n, "sampling_params": [params(j) for j in range(n)],
                 "return_logprob": True, "return_routed_experts": bool(sampling.return_routing)}
+        if self.speculative:
+            body["speculative"] = True
+        return body
 
     def _generate(self, url: str, i: int, prompt: list[int], n: int, sampling: Sampling) -> list[Sample]:
         seed = None if sampling.seed is None else sampling.seed + i * n  # EngineGenerate's seeds

@@ -85,6 +85,18 @@ def test_remote_equals_the_local_engine(fleet, name):
         assert len({tuple(s.token_ids) for s in remote[0]}) > 1  # seeds differ per sample
 
 
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_remote_speculative_equals_local_speculative(fleet, name):
+    """Our servers' MTP drafting ("speculative": true) draws what EngineGenerate(speculative=True) draws."""
+    urls, services, _, _ = fleet
+    sampling = SAMPLINGS[name]
+    remote = RemoteGenerate(urls, speculative=True)(PROMPTS[:2], 2, sampling)
+    engine = services[0].engine
+    _same(EngineGenerate(engine, speculative=True)(PROMPTS[:2], 2, sampling), remote, engine.weights_version)
+    if name == "greedy":
+        _same(EngineGenerate(engine)(PROMPTS[:2], 2, sampling), remote, engine.weights_version)
+
+
 def test_reload_by_path_reaches_every_server(fleet):
     urls, services, _, save = fleet
     gen = RemoteGenerate(urls)
