@@ -68,6 +68,8 @@ class RLConfig:
     sft_warmup: bool = False
     speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
     speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
+    remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
+    remote_weights_dir: Optional[str] = None  # where each step's weights go for the servers to reload
 
 
 def _replica_ranks() -> tuple[int, int]:
@@ -190,7 +192,12 @@ class RLTrainer:
                 p.requires_grad_(False)
         self.generate = generate
         self.engine = None
-        if generate is None:
+        if generate is None and cfg.remote_servers:
+            from megatron_ext.rl.remote import RemoteGenerate
+
+            self.generate = RemoteGenerate(cfg.remote_servers, speculative=cfg.speculative)
+            self._publish_remote()  # the servers start from the trainer's weights and version
+        elif generate is None:
             from megatron_ext.inference.engine import InferenceEngine
             from megatron_ext.rl.rollout import EngineGenerate
 
@@ -349,6 +356,36 @@ class RLTrainer:
         only the version moves) and tag later tokens with the new version."""
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
+        elif self.cfg.remote_servers:
+            self._publish_remote()
+
+    def _publish_remote(self):
+        """A weights-only checkpoint of this version under --rl-remote-weights-dir/v<version> (every rank writes its
+        shards), then every server loads it and reports the version (rank 0 asks; all ranks learn the outcome and
+        a failure stops the run naming the servers); older versions' directories are removed."""
+        import copy
+        import shutil
+
+        from megatron_ext.rl.remote import RemoteServerError
+
+        root = os.path.join(self.cfg.remote_weights_dir, f"v{self.iteration}")
+        wargs = copy.copy(self.args)
+        wargs.save, wargs.no_save_optim = root, True
+        save_checkpoint(wargs, self.iteration, self.model, None, None)
+        box = [None]
+        if self.rank == 0:
+            try:
+                self.generate.reload(root, self.iteration)
+            except RemoteServerError as e:
+                box[0] = str(e)
+            for name in os.listdir(self.cfg.remote_weights_dir):
+                if name.startswith("v") and name != os.path.basename(root):
+                    shutil.rmtree(os.path.join(self.cfg.remote_weights_dir, name), ignore_errors=True)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise TrainingAborted(f"publishing weights version {self.iteration} to --rl-remote-servers failed: "
+                                  f"{box[0]}")
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

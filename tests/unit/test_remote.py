@@ -307,3 +307,40 @@ def test_a_server_killed_mid_request_raises_a_retryable_error():
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_rl_composer_generates_on_remote_servers(tmp_path):
+    """rl_composer.py --rl-remote-servers: a tools/serve.py server generates (with routing for replay), each step's
+    weights are published to it by path, and its tokens carry the version the trainer just published."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.unit.test_rl_composer import TINY, _prompts, _run
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    arch = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64"]
+    assert TINY[:6] == arch
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", *arch, "--port", "0"], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line, deadline = "", time.time() + 120
+        while "serving" not in line and time.time() < deadline:
+            line = proc.stdout.readline()
+        url = line.strip().split(" on ")[1]
+        logs, weights = str(tmp_path / "logs"), str(tmp_path / "weights")
+        p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
+                         "--rl-remote-servers", url, "--rl-remote-weights-dir", weights, "--rl-routing-replay"])
+        trained = [json.loads(x) for x in open(os.path.join(logs, "trained_groups.jsonl"))]
+        assert [r["step"] for r in trained] == [1, 1, 2, 2]
+        assert all(r["policy_versions"] == [r["step"] - 1] for r in trained)  # the server's tokens, its version
+        assert RemoteGenerate([url]).versions() == {url: 2}  # the weights after the last step
+        assert os.listdir(weights) == ["v2"]  # older versions removed
+        agreement = [float(x.split("routing replay agreement: ")[1].split(" ")[0])
+                     for x in p.stdout.splitlines() if "routing replay agreement" in x]
+        assert len(agreement) == 2 and min(agreement) > 0.99  # the server routed as the trainer's weights do
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
