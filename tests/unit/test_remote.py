@@ -252,8 +252,10 @@ def test_sglang_style_answers_are_accepted():
     routing = np.arange(4 * 3 * 2, dtype="<i4").reshape(4, 3, 2) % 7
     fake = _Fake(lambda b: (200, _good(len(b["input_ids"]), routed_experts=base64.b64encode(routing.tobytes()).decode())))
     try:
-        out = RemoteGenerate([fake.url], routing_shape=(3, 2))([[1, 2, 3]], 2, Sampling(max_tokens=2,
-                                                                                         return_routing=True))
+        import pickle
+
+        gen = pickle.loads(pickle.dumps(RemoteGenerate([fake.url], routing_shape=(3, 2))))  # as a Ray argument
+        out = gen([[1, 2, 3]], 2, Sampling(max_tokens=2, return_routing=True))
         assert len(out[0]) == 2
         s = out[0][1]
         assert s.token_ids == [4, 5] and s.logprobs == s.sampled_logprobs == [-0.5, -0.25] and s.versions == [3, 3]
