@@ -17,23 +17,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.rl.env import digit_tasks, write_prompts  # noqa: E402
-
-MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "8"]
-
-
-def run(cmd, log_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if code:
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log_path}")
+from benchmarks.rl_learning import MODEL, run
+from megatron_ext.rl.env import digit_tasks, write_prompts
 
 
 def per_step(log_path) -> list[dict]:

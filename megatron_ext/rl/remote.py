@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -128,8 +127,7 @@ class RemoteGenerate:
             detail = _error_message(e)
             kind = ServerUnavailable if e.code >= 500 and e.code != 501 else RequestRejected
             raise kind(url, f"{path} answered HTTP {e.code}: {detail}", prompts) from None
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, TimeoutError,
-                OSError) as e:
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ServerUnavailable(url, f"{path} failed: {type(reason).__name__}: {reason} (server down, "
                                          "unreachable, or died mid-request)", prompts) from None

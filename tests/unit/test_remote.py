@@ -2,8 +2,14 @@
 by path, and errors that name the server (and a typed, retryable one when a server dies)."""
 
 import base64
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,11 +22,19 @@ from megatron_ext.arguments import parse_args
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
 from megatron_ext.inference.reload import CheckpointReload
 from megatron_ext.inference.server import ModelService, serve
-from megatron_ext.rl.remote import BadResponse, ReloadFailed, RemoteGenerate, RequestRejected, ServerUnavailable
+from megatron_ext.rl.remote import (
+    BadResponse,
+    ReloadFailed,
+    RemoteGenerate,
+    RequestRejected,
+    ServerUnavailable,
+)
 from megatron_ext.rl.rollout import EngineGenerate, Sampling
 from megatron_ext.testing import init_layout_invariant_
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.step import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -280,24 +294,26 @@ def test_a_down_server_fails_only_its_prompts():
         alive.close()
 
 
-def test_a_server_killed_mid_request_raises_a_retryable_error():
-    """tools/serve.py killed with SIGKILL while it generates: ServerUnavailable naming it, for the orchestrator to
-    requeue the prompts on another worker."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny", "--port", "0"],
-                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+@contextlib.contextmanager
+def _serve_subprocess(*flags):
+    """tools/serve.py in a subprocess on a free loopback port: (process, url); killed afterwards."""
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", *flags, "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         line, deadline = "", time.time() + 120
         while "serving" not in line and time.time() < deadline:
             line = proc.stdout.readline()
-        url = line.strip().split(" on ")[1]
+        yield proc, line.strip().split(" on ")[1]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_server_killed_mid_request_raises_a_retryable_error():
+    """tools/serve.py killed with SIGKILL while it generates: ServerUnavailable naming it, for the orchestrator to
+    requeue the prompts on another worker."""
+    with _serve_subprocess("--model", "tiny") as (proc, url):
         gen = RemoteGenerate([url])
         assert gen.versions() == {url: 0}
         started = time.time()
@@ -306,32 +322,16 @@ def test_a_server_killed_mid_request_raises_a_retryable_error():
             gen([[1, 2, 3]] * 4, 8, Sampling(max_tokens=1000, temperature=1.0, seed=1))
         assert time.time() - started < 60
         assert url in str(err.value) and err.value.retryable and err.value.prompt_indices == [0, 1, 2, 3]
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_rl_composer_generates_on_remote_servers(tmp_path):
     """rl_composer.py --rl-remote-servers: a tools/serve.py server generates (with routing for replay), each step's
     weights are published to it by path, and its tokens carry the version the trainer just published."""
-    import os
-    import subprocess
-    import sys
-    import time
-
     from tests.unit.test_rl_composer import TINY, _prompts, _run
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     arch = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64"]
     assert TINY[:6] == arch
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", *arch, "--port", "0"], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        line, deadline = "", time.time() + 120
-        while "serving" not in line and time.time() < deadline:
-            line = proc.stdout.readline()
-        url = line.strip().split(" on ")[1]
+    with _serve_subprocess(*arch) as (_, url):
         logs, weights = str(tmp_path / "logs"), str(tmp_path / "weights")
         p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
                          "--rl-remote-servers", url, "--rl-remote-weights-dir", weights, "--rl-routing-replay"])
@@ -343,6 +343,3 @@ def test_rl_composer_generates_on_remote_servers(tmp_path):
         agreement = [float(x.split("routing replay agreement: ")[1].split(" ")[0])
                      for x in p.stdout.splitlines() if "routing replay agreement" in x]
         assert len(agreement) == 2 and min(agreement) > 0.99  # the server routed as the trainer's weights do
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
