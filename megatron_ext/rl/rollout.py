@@ -8,7 +8,7 @@ environment segments, the sampler's tokens as model segments, exactly as produce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import numpy as np
@@ -38,9 +38,9 @@ class EngineGenerate:
     sample j of prompt i draws with seed + i * n + j, so a step's samples are reproducible.
 
     With `speculative`, every sample is decoded with MTP drafting (inference/speculative.py, `draft_depth` MTP
-    layers, default all): lossless, i.e. the main model's distribution (greedy: the very tokens of plain decoding),
-    with the main model's raw and sampled log-probabilities, versions and routing for every token; samples are
-    decoded one at a time, with the same seeds. `pop_speculation()` returns the drafts accepted and proposed since
+    layers, default all; batched over every sample, inference/speculative_batch.py): lossless, i.e. the main model's
+    distribution (greedy: the very tokens of plain decoding), with the main model's raw and sampled
+    log-probabilities, versions and routing for every token; the same seeds. `pop_speculation()` returns the drafts accepted and proposed since
     its last call."""
 
     def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None):
@@ -69,14 +69,9 @@ class EngineGenerate:
         return [[self._sample(c) for c in g] for g in groups]
 
     def _speculative(self, prompts, n, params):
-        from megatron_ext.inference.speculative import generate_speculative
+        from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
-        rows = params if isinstance(params, list) else [params] * len(prompts)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        return [[generate_speculative(self.engine, prompt, replace(p, seed=None if p.seed is None else p.seed + j),
-                                      self.stats, self.draft_depth) for j in range(n)]
-                for prompt, p in zip(prompts, rows)]
+        return generate_speculative_groups(self.engine, prompts, n, params, self.stats, self.draft_depth)
 
     def pop_speculation(self) -> dict[str, int]:
         """Drafts proposed and accepted, main-model forwards and tokens since the last call (zeros without

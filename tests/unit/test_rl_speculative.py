@@ -22,7 +22,7 @@ PROMPTS = [[1, 2, 3, 4], [40, 50, 60], [7, 7, 7, 7, 7]]
 def test_greedy_speculative_rollouts_are_the_plain_ones(engine, monkeypatch, drafts):  # noqa: F811
     """The tiny model's untrained MTP layer drafts badly (every draft rejected); an oracle drafting the plain
     continuation gets drafts accepted, so the tokens, logprobs and routing of accepted drafts are checked too."""
-    from megatron_ext.inference import speculative
+    from megatron_ext.inference import speculative_batch
 
     eng, _ = engine
     sampling = Sampling(max_tokens=10, temperature=0.0, stop_token_ids=(5,), return_routing=True)
@@ -30,12 +30,15 @@ def test_greedy_speculative_rollouts_are_the_plain_ones(engine, monkeypatch, dra
     if drafts == "oracle":
         whole = {tuple(p): p + g[0].token_ids for p, g in zip(PROMPTS, plain)}
 
-        def oracle(self):
-            seq = next(w for p, w in whole.items() if tuple(self.tokens[: len(p)]) == p)
-            L = len(self.tokens)
-            return [seq[k] if k < len(seq) else 0 for k in range(L, L + self.depth)], [None] * self.depth
+        def oracle(self):  # each active row's plain continuation as its drafts
+            drafts = []
+            for r in self.active:
+                seq = next(w for p, w in whole.items() if tuple(self.tokens[r][: len(p)]) == p)
+                L = len(self.tokens[r])
+                drafts.append([seq[k] if k < len(seq) else 0 for k in range(L, L + self.depth)])
+            return drafts, [[None] * self.depth for _ in self.active]
 
-        monkeypatch.setattr(speculative._Speculation, "_draft", oracle)
+        monkeypatch.setattr(speculative_batch._Rows, "_draft", oracle)
     gen = EngineGenerate(eng, speculative=True)
     spec = gen(PROMPTS, 2, sampling)
     for gs, gp in zip(spec, plain):
@@ -77,6 +80,53 @@ def _params(sampling):
 
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p)
+
+
+@pytest.fixture(scope="module")
+def engine_mtp2(engine):  # noqa: F811
+    """The tiny preset with two MTP layers (under the same one-rank process groups)."""
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(["--model", "tiny", "--mock-data", "--mtp-num-layers", "2"], world_size=1)
+    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=8))[0]
+    model.eval()
+    return InferenceEngine(model)
+
+
+BATCH_PROMPTS = [[1, 2, 3, 4], [40, 50, 60], [7, 7, 7, 7, 7, 9, 9]]
+
+
+@pytest.mark.parametrize("model, depth", [("mtp1", 1), ("mtp2", 1), ("mtp2", 2)])
+@pytest.mark.parametrize("kind", ["greedy with a stop id", "top-k", "temperature 1"])
+def test_batched_speculation_equals_one_sample_at_a_time(engine, engine_mtp2, model, depth, kind):  # noqa: F811
+    """Every row of the batched speculative decoder draws exactly what inference/speculative.py draws for that
+    sample alone with the same seed (tokens, logprobs, routing), drafts checked and accepted included."""
+    from megatron_ext.inference.engine import SamplingParams
+    from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+    from megatron_ext.inference.speculative_batch import generate_speculative_groups
+
+    eng = engine[0] if model == "mtp1" else engine_mtp2
+    params = {"greedy with a stop id": SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(5,)),
+              "top-k": SamplingParams(max_tokens=9, temperature=0.9, top_k=30, seed=21),
+              "temperature 1": SamplingParams(max_tokens=12, temperature=1.0, seed=3)}[kind]
+    params = dataclasses.replace(params, return_routing=True)
+    batched, alone = SpeculationStats(), SpeculationStats()
+    groups = generate_speculative_groups(eng, BATCH_PROMPTS, 3, params, batched, depth)
+    for prompt, group in zip(BATCH_PROMPTS, groups):
+        assert [c.prompt_ids for c in group] == [prompt] * 3
+        for j, c in enumerate(group):
+            seed = None if params.seed is None else params.seed + j
+            want = generate_speculative(eng, prompt, dataclasses.replace(params, seed=seed), alone, depth)
+            assert c.token_ids == want.token_ids and c.finish_reason == want.finish_reason
+            assert c.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+            assert c.sampled_logprobs == pytest.approx(want.sampled_logprobs, abs=1e-5)
+            assert torch.equal(c.routing, want.routing)
+    assert (batched.drafted, batched.accepted, batched.tokens) == (alone.drafted, alone.accepted, alone.tokens)
+    assert batched.checked_by_depth == alone.checked_by_depth and 1 <= len(batched.checked_by_depth) <= depth
+    if kind == "temperature 1":
+        assert batched.accepted > 0  # the accepting branch ran
 
 
 def test_a_model_without_mtp_layers_is_refused(engine):  # noqa: F811
