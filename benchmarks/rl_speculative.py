@@ -40,6 +40,53 @@ def per_step(log_path) -> list[dict]:
     return out
 
 
+def decode_speed(sft: str, prompts: list[dict], group_size: int, max_tokens: int, repeats: int = 3) -> dict:
+    """Seconds to generate one RL step's rollouts (prompts x group_size samples at temperature 1) on the warm-up
+    checkpoint: plain batched decoding, MTP speculation one sample at a time, batched MTP speculation."""
+    import statistics
+    import time
+
+    import torch
+
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.inference.engine import InferenceEngine, SamplingParams
+    from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+    from megatron_ext.inference.speculative_batch import generate_speculative_groups
+    from megatron_ext.rl.env import VOCAB, prompt_tokens
+    from megatron_ext.training.checkpointing import load_weights
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    torch.set_num_threads(1)
+    args = parse_args(MODEL + ["--mock-data"], world_size=1)
+    initialize_distributed(args)
+    model = build_model(args, wrap_ddp=False)
+    load_weights(args, model, sft, log=lambda *a, **k: None)
+    engine = InferenceEngine(model[0])
+    ids = [prompt_tokens(t) for t in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, stop_token_ids=(VOCAB.eos,))
+    stats = {"one at a time": SpeculationStats(), "batched": SpeculationStats()}
+    runs = {"plain batched": lambda: engine.generate_groups(ids, group_size, params),
+            "speculative, one sample at a time": lambda: [
+                generate_speculative(engine, p, SamplingParams(**{**vars(params), "seed": 1 + j}), stats["one at a time"])
+                for p in ids for j in range(group_size)],
+            "speculative, batched": lambda: generate_speculative_groups(engine, ids, group_size, params,
+                                                                        stats["batched"])}
+    out = {}
+    for name, fn in runs.items():
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t)
+        flat = result if name == "speculative, one sample at a time" else [c for g in result for c in g]
+        out[name] = {"seconds": statistics.median(times), "tokens": sum(len(c.token_ids) for c in flat)}
+    out["acceptance"] = stats["batched"].acceptance_rate
+    destroy()
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/rl_speculative")
@@ -91,6 +138,11 @@ def main(argv=None):
         tpf = sum(r["mtp tokens per forward"] for r in rows) / len(rows)
         print(f"{name}: acceptance step 1 {rows[0]['mtp acceptance']:.3f}, last {rows[-1]['mtp acceptance']:.3f}; "
               f"mean tokens per main forward {tpf:.2f}")
+    speed = decode_speed(sft, train[n_sft:n_sft + a.prompts_per_step], a.group_size, max_len + 2)
+    print(f"one RL step's rollouts ({a.prompts_per_step} prompts x {a.group_size} samples, T=1) on the warm-up "
+          f"checkpoint, median of 3 (MTP acceptance {speed.pop('acceptance'):.3f}):")
+    for name, v in speed.items():
+        print(f"  {name}: {v['seconds']:.3f} s, {v['tokens'] / v['seconds']:.0f} tokens/s")
     return 0
 
 
