@@ -40,7 +40,8 @@ from megatron_ext import platform
 from megatron_ext.data.sft import IM_END, parse_assistant
 from megatron_ext.inference import native
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
-from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+from megatron_ext.inference.speculative import SpeculationStats
+from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
 MAX_N = 64  # samples per request
 
@@ -276,18 +277,13 @@ class ModelService:
     def _run_batch(self, batch: list[Job]):
         plain = [j for j in batch if not j.speculative and not j.future.done()]
         if plain:
-            rows = [(j, s) for j in plain for s in range(j.n)]  # engine row -> (job, sample)
-
-            def on_token(row, token, logprob):
-                job, sample = rows[row]
-                if job.on_token is not None:
-                    job.on_token(sample, token, logprob)
-
             self._settle(plain, lambda: self._call("generate", [j.prompt_ids for j in plain], [j.n for j in plain],
-                                                   [j.params for j in plain], on_token=on_token))
-        for job in (j for j in batch if j.speculative and not j.future.done()):
-            self._settle([job], lambda job=job: [[self._call("speculative", job.prompt_ids, _sample_params(job.params, s),
-                                                             on_token=_sample_callback(job, s)) for s in range(job.n)]])
+                                                   [j.params for j in plain], on_token=_row_callback(plain)))
+        drafted = [j for j in batch if j.speculative and not j.future.done()]
+        if drafted:  # every speculative sample of the batch drafts and verifies together
+            self._settle(drafted, lambda: self._call("speculative_groups", [j.prompt_ids for j in drafted],
+                                                     [j.n for j in drafted], [j.params for j in drafted],
+                                                     on_token=_row_callback(drafted)))
 
     @staticmethod
     def _settle(jobs: list[Job], run):
@@ -310,9 +306,9 @@ class ModelService:
         if name == "generate":
             prompts, counts, params = args
             return self.engine.generate_groups(prompts, counts, params, on_token=on_token)
-        if name == "speculative":
-            prompt_ids, params = args
-            return generate_speculative(self.engine, prompt_ids, params, self.stats, on_token=on_token)
+        if name == "speculative_groups":
+            prompts, counts, params = args
+            return generate_speculative_groups(self.engine, prompts, counts, params, self.stats, on_token=on_token)
         if name == "reload":  # (path) or (path, version): new weights, the version given or the next one
             path, version = args if len(args) == 2 else (args[0], None)
             self._reload(path)
@@ -386,14 +382,16 @@ class ModelService:
                 raise RequestError(f"cannot load {path}: {type(e).__name__}: {e}", status=500) from None
 
 
-def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
-    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + sample)
+def _row_callback(jobs: list[Job]):
+    """An engine call's per-row token callback (rows job by job, sample by sample) to each job's own."""
+    rows = [(j, s) for j in jobs for s in range(j.n)]
 
+    def on_token(row, token, logprob):
+        job, sample = rows[row]
+        if job.on_token is not None:
+            job.on_token(sample, token, logprob)
 
-def _sample_callback(job: Job, sample: int):
-    if job.on_token is None:
-        return None
-    return lambda row, token, logprob: job.on_token(sample, token, logprob)
+    return on_token
 
 
 class _Stream:

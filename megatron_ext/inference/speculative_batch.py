@@ -14,7 +14,7 @@ newest token (for the others it writes exactly what their next verify writes).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,38 +24,44 @@ from megatron_ext.inference.speculative import SpeculationStats, _draw
 
 
 @torch.inference_mode()
-def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]], n: int,
+def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]], n: int | list[int],
                                 params: SamplingParams | list[SamplingParams], stats: Optional[SpeculationStats] = None,
-                                depth: Optional[int] = None) -> list[list[Completion]]:
-    """`n` samples of each prompt with MTP drafting, batched; sample j of a prompt whose params have seed s draws
-    with seed s + j (as `generate_groups`); result[i][j]."""
+                                depth: Optional[int] = None,
+                                on_token: Optional[Callable[[int, int, float], None]] = None) -> list[list[Completion]]:
+    """`n` samples of each prompt (or n[i] of prompt i) with MTP drafting, batched; sample j of a prompt whose
+    params have seed s draws with seed s + j (as `generate_groups`); result[i][j]. `on_token(row, token_id,
+    logprob)` is called as each token is emitted, rows numbered prompt by prompt, sample by sample."""
     layers = len(engine.mtp_layers)
     if layers == 0:
         raise ValueError("speculative decoding needs a model with MTP layers (--mtp-num-layers >= 1)")
     depth = layers if depth is None else depth
     if not 1 <= depth <= layers:
         raise ValueError(f"draft depth must be between 1 and the model's {layers} MTP layer(s), got {depth}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
+    if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
     per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(per_prompt) != len(prompts):
         raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-    rows = [p for p in per_prompt for _ in range(n)]
-    engine.check_request([p for p in prompts for _ in range(n)], rows)
+    prompt_of = [i for i, c in enumerate(counts) for _ in range(c)]
+    rows = [per_prompt[i] for i in prompt_of]
+    engine.check_request([prompts[i] for i in prompt_of], rows)
     longest = max(len(p) for p in prompts) + max(r.max_tokens for r in rows) + depth + 1
     if longest > engine.model.max_sequence_length:
         raise ValueError(f"prompt + max_tokens exceeds the model's {engine.model.max_sequence_length}")
-    seeds = engine.agreed_seeds([p.seed + j if p.seed is not None else None for p in per_prompt for j in range(n)])
+    seeds = engine.agreed_seeds([p.seed + j if p.seed is not None else None
+                                 for p, c in zip(per_prompt, counts) for j in range(c)])
     stats = stats if stats is not None else SpeculationStats()
     model = engine.model
     was_training = model.training
     model.eval()
     try:
         with platform.without_device_mapping():
-            flat = _Rows(engine, prompts, n, rows, seeds, stats, depth).run()
+            flat = _Rows(engine, prompts, counts, rows, seeds, stats, depth, on_token).run()
     finally:
         model.train(was_training)
-    return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+    starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
 
 
 class _Rows:
@@ -63,16 +69,18 @@ class _Rows:
     layer k's cache covers positions < fed[k][r]; inputs[k][b, j]: MTP layer k's hidden input at position j of the
     row in batch slot b. `slot[r]`: the batch slot of an active row."""
 
-    def __init__(self, engine, prompts, n, rows, seeds, stats, depth):
-        self.engine, self.prompts, self.n, self.rows, self.stats, self.depth = engine, prompts, n, rows, stats, depth
+    def __init__(self, engine, prompts, counts, rows, seeds, stats, depth, on_token=None):
+        self.engine, self.prompts, self.counts, self.rows, self.stats = engine, prompts, counts, rows, stats
+        self.depth, self.on_token = depth, on_token
+        self.prompt_of = [i for i, c in enumerate(counts) for _ in range(c)]
         self.vocab, self.dev = engine.vocab_size, engine.device
         B = len(rows)
         self.width = max(len(p) for p in prompts)
         # draft spans can reach 2 * depth past a row's frontier; padding to the batch's longest span adds the rest
         self.max_len = self.width + max(r.max_tokens for r in rows) + 3 * depth + 2
         self.generators = [engine.generator(s) for s in seeds]
-        self.tokens = [list(prompts[r // n]) for r in range(B)]
-        self.out = [Completion(prompt_ids=list(prompts[r // n])) for r in range(B)]
+        self.tokens = [list(prompts[i]) for i in self.prompt_of]
+        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
         self.fed = [[0] * B for _ in range(depth)]
         self.want_routing = any(p.return_routing for p in rows)
         self.routing: list[list[torch.Tensor]] = [[] for _ in range(B)]  # per row: [positions, layers, topk] parts
@@ -81,7 +89,7 @@ class _Rows:
         return torch.tensor(values, dtype=torch.long, device=self.dev)
 
     def run(self) -> list[Completion]:
-        eng, B, n = self.engine, len(self.rows), self.n
+        eng, B = self.engine, len(self.rows)
         P, width = len(self.prompts), self.width
         lens = [len(p) for p in self.prompts]
         main = eng.new_cache(len(eng.layers), P, self.max_len)
@@ -90,7 +98,7 @@ class _Rows:
         routing = [] if self.want_routing else None
         logits, hidden = eng.forward_with_hidden(tokens, positions, main, self._long([0] * P), routing)
         self.stats.main_forwards += P
-        counts = self._long([n] * P)
+        counts = self._long(self.counts)
         self.main = main
         main.kv = [t.repeat_interleave(counts, dim=0) for t in main.kv]
         self.mtp = eng.new_cache(self.depth, B, self.max_len)
@@ -100,7 +108,8 @@ class _Rows:
         if routing is not None:
             prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
             for r in range(B):
-                self.routing[r].append(prompt_routing[: lens[r // n], r // n])
+                i = self.prompt_of[r]
+                self.routing[r].append(prompt_routing[: lens[i], i])
         last = logits[self._long(range(P)), self._long(lens) - 1, : self.vocab].repeat_interleave(counts, dim=0)
         self.active = list(range(B))  # rows in batch-slot order
         done = [self._emit(r, self._pick(r, last[r]), last[r]) for r in range(B)]
@@ -207,6 +216,8 @@ class _Rows:
         out.versions.append(self.engine.weights_version)
         self.tokens[r].append(token)
         self.stats.tokens += 1
+        if self.on_token is not None:
+            self.on_token(r, token, values[0])
         return _finished(out, params, self.engine.detokenize)
 
     # ---- finished rows -----------------------------------------------------------------------------------------
