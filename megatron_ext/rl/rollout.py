@@ -37,11 +37,11 @@ class EngineGenerate:
     """GenerateFn on the local InferenceEngine (ENGINE_API): `generate_groups` shares one prefill per prompt;
     sample j of prompt i draws with seed + i * n + j, so a step's samples are reproducible.
 
-    With `speculative`, every sample is decoded with MTP drafting (inference/speculative.py, `draft_depth` MTP
-    layers, default all; batched over every sample, inference/speculative_batch.py): lossless, i.e. the main model's
+    With `speculative`, every sample is decoded with MTP drafting, all samples of the call batched together
+    (inference/speculative_batch.py; `draft_depth` MTP layers, default all): lossless, i.e. the main model's
     distribution (greedy: the very tokens of plain decoding), with the main model's raw and sampled
-    log-probabilities, versions and routing for every token; the same seeds. `pop_speculation()` returns the drafts accepted and proposed since
-    its last call."""
+    log-probabilities, versions and routing for every token; the same seeds. `pop_speculation()` returns the drafts
+    accepted and proposed since its last call."""
 
     def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None):
         self.engine, self.speculative, self.draft_depth = engine, speculative, draft_depth
