@@ -68,7 +68,8 @@ def decode_speed(sft: str, prompts: list[dict], group_size: int, max_tokens: int
     stats = {"one at a time": SpeculationStats(), "batched": SpeculationStats()}
     runs = {"plain batched": lambda: engine.generate_groups(ids, group_size, params),
             "speculative, one sample at a time": lambda: [
-                generate_speculative(engine, p, SamplingParams(**{**vars(params), "seed": 1 + j}), stats["one at a time"])
+                generate_speculative(engine, p, SamplingParams(**{**vars(params), "seed": 1 + j}),
+                                     stats["one at a time"])
                 for p in ids for j in range(group_size)],
             "speculative, batched": lambda: generate_speculative_groups(engine, ids, group_size, params,
                                                                         stats["batched"])}

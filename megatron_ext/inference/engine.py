@@ -105,6 +105,9 @@ class Completion:
     # int16 [len(prompt_ids) + len(token_ids), MoE layers, topk]: the experts of every token (row t: position t),
     # each row in the order Megatron-Core's router ranks them (what RouterReplay records)
     routing: Optional[torch.Tensor] = None
+    # MTP speculation of this completion (inference/speculative_batch.py): drafts proposed and accepted, verify
+    # forwards; None when decoded without drafting
+    speculation: Optional[dict] = None
 
     def routing_for_replay(self) -> list[torch.Tensor]:
         """One [tokens, topk] int64 tensor per MoE layer, as RouterReplay.set_replay_data takes for a single

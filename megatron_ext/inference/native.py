@@ -8,7 +8,8 @@ SGLang's order), each ``{"text", "output_ids", "meta_info"}``. ``meta_info`` hol
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``finish_reason`` {type: stop|length, matched|length},
 ``weight_version`` as a string, ``output_token_logprobs`` as [logprob, token_id, null] triples with
 ``return_logprob``, ``routed_experts`` as base64 of little-endian int32 [rows, moe layers, topk] with
-``return_routed_experts``) plus three of ours: ``output_token_weight_versions`` (the version of every token),
+``return_routed_experts``, and for a speculative request ``spec_verify_ct``, ``spec_draft_token_num``,
+``spec_accept_token_num``) plus three of ours: ``output_token_weight_versions`` (the version of every token),
 ``output_token_sampled_logprobs`` (log q under the distribution actually sampled from) and ``routed_experts_shape``.
 Where ours differs from SGLang (docs/design-notes.md has the table): the logprobs are always the raw distribution
 (SGLang: temperature-scaled unless SGLANG_RETURN_ORIGINAL_LOGPROB=1); ``routed_experts`` has a row for every token
@@ -166,6 +167,10 @@ def _output(service, job, completion, routed_start: int) -> dict:
     if job.logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(completion.logprobs, ids)]
         meta["output_token_sampled_logprobs"] = list(completion.sampled_logprobs)
+    if completion.speculation is not None:  # SGLang's names for a speculative request's counts
+        meta["spec_verify_ct"] = completion.speculation["verify_forwards"]
+        meta["spec_draft_token_num"] = completion.speculation["drafted"]
+        meta["spec_accept_token_num"] = completion.speculation["accepted"]
     if completion.routing is not None:
         rows = completion.routing[routed_start:].cpu().numpy().astype("<i4")
         meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")

@@ -80,7 +80,9 @@ class _Rows:
         self.max_len = self.width + max(r.max_tokens for r in rows) + 3 * depth + 2
         self.generators = [engine.generator(s) for s in seeds]
         self.tokens = [list(prompts[i]) for i in self.prompt_of]
-        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
+        self.out = [Completion(prompt_ids=list(prompts[i]), speculation={"drafted": 0, "accepted": 0,
+                                                                        "verify_forwards": 0})
+                    for i in self.prompt_of]
         self.fed = [[0] * B for _ in range(depth)]
         self.want_routing = any(p.return_routing for p in rows)
         self.routing: list[list[torch.Tensor]] = [[] for _ in range(B)]  # per row: [positions, layers, topk] parts
@@ -180,7 +182,8 @@ class _Rows:
 
     def _verify(self, r: int, drafts: list[int], dists, logits: torch.Tensor) -> bool:
         """Row r accepts or rejects its drafts against the main model's logits [D + 1, vocab]; True when done."""
-        params, gen = self.rows[r], self.generators[r]
+        params, gen, mine = self.rows[r], self.generators[r], self.out[r].speculation
+        mine["verify_forwards"] += 1
         for i, (d, q) in enumerate(zip(drafts, dists)):
             if params.temperature == 0:
                 target = int(logits[i].argmax())
@@ -190,6 +193,8 @@ class _Rows:
                 u = torch.rand(1, generator=gen, dtype=torch.float64, device=self.dev)
                 accepted = bool(u < min(1.0, float(p[d] / q[d])))
             self.stats.count(i, accepted)
+            mine["drafted"] += 1
+            mine["accepted"] += int(accepted)
             if not accepted:
                 if params.temperature > 0:
                     residual = (p - q).clamp(min=0)

@@ -102,6 +102,7 @@ class RemoteGenerate:
         self.routing_shape, self.reload_timeout, self.connect_timeout = routing_shape, reload_timeout, connect_timeout
         self.speculative = speculative  # our servers' MTP drafting ("speculative": true; SGLang: a launch option)
         self._in_flight = {u: 0 for u in urls}
+        self._speculation = {"drafted": 0, "accepted": 0, "main_forwards": 0, "tokens": 0}
         self._next = 0
         self._lock = threading.Lock()
 
@@ -239,6 +240,12 @@ class RemoteGenerate:
         routing = None
         if sampling.return_routing:
             routing = self._routing(meta, len(prompt) + len(ids), bad)
+        if "spec_draft_token_num" in meta:  # a speculating server (ours with "speculative", or SGLang's)
+            with self._lock:
+                self._speculation["drafted"] += int(meta["spec_draft_token_num"])
+                self._speculation["accepted"] += int(meta.get("spec_accept_token_num", 0))
+                self._speculation["main_forwards"] += int(meta.get("spec_verify_ct", 0))
+                self._speculation["tokens"] += len(ids)
         return Sample(list(ids), logprobs, [float(x) for x in sampled], [_version(v, url, [i]) for v in versions],
                       kind, routing)
 
@@ -267,6 +274,13 @@ class RemoteGenerate:
         if not info["num_moe_layers"]:
             raise BadResponse(self.urls[0], "the served model has no MoE layers: routing replay needs an MoE model")
         return int(info["num_moe_layers"]), int(info["moe_router_topk"])
+
+    def pop_speculation(self) -> dict[str, int]:
+        """Drafts proposed and accepted, verify forwards and tokens the servers reported (meta_info.spec_*) since
+        the last call; zeros when no server speculates."""
+        with self._lock:
+            out, self._speculation = self._speculation, {k: 0 for k in self._speculation}
+        return out
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def versions(self) -> dict[str, int]:

@@ -85,9 +85,10 @@ def _replica_ranks() -> tuple[int, int]:
 
 
 def generate_groups(tasks: list[dict], make_env, generate: GenerateFn, cfg: EpisodeConfig, std_normalize: bool,
-                    seed: int) -> list[Group]:
-    """Every task's group, on every rank: each replica generates its share (tasks i with i % R == replica)."""
-    replica, replicas = _replica_ranks()
+                    seed: int, per_rank: bool = False) -> list[Group]:
+    """Every task's group, on every rank: each replica generates its share (tasks i with i % R == replica); with
+    `per_rank` (remote servers generate: no engine replicas) every rank is a replica of its own."""
+    replica, replicas = (dist.get_rank(), dist.get_world_size()) if per_rank else _replica_ranks()
     mine = [t for i, t in enumerate(tasks) if i % replicas == replica]
     sampling = Sampling(**{**vars(cfg.sampling), "seed": seed + 100_003 * replica})
     local = run_groups(mine, make_env, generate, EpisodeConfig(cfg.group_size, sampling, cfg.max_turns,
@@ -259,7 +260,7 @@ class RLTrainer:
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
             self._speculation()  # drafts of evaluations in between do not count
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
-                                  seed=args.seed * 1_000_003 + self.iteration * 7919)
+                                  seed=args.seed * 1_000_003 + self.iteration * 7919, per_rank=bool(cfg.remote_servers))
             speculation = self._speculation()
             _fault("generating", self.iteration)  # groups generated, still in flight
             for g in new:
@@ -327,16 +328,16 @@ class RLTrainer:
                 "skipped": any(r["skipped"] for r in results)}
 
     def _speculation(self) -> dict[str, float]:
-        """MTP drafts accepted / proposed since the last call, over every generation replica ('mtp acceptance'),
-        and tokens per main-model forward; empty without --rl-speculative."""
+        """MTP drafts accepted / proposed since the last call, over every generation replica or remote request
+        ('mtp acceptance'), and tokens per main-model forward; empty without --rl-speculative."""
         pop = getattr(self.generate, "pop_speculation", None)
         if not self.cfg.speculative or pop is None:
             return {}
         counts = pop()
-        device = self.engine.collective_device() if self.engine is not None else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         total = torch.tensor([counts["accepted"], counts["drafted"], counts["tokens"], counts["main_forwards"]],
                              dtype=torch.float64, device=device)
-        dist.all_reduce(total)  # each replica's ranks count the same drafts: the ratios are unchanged
+        dist.all_reduce(total)  # each engine replica's ranks count the same drafts: the ratios are unchanged
         accepted, drafted, tokens, forwards = total.tolist()
         return {"mtp acceptance": accepted / max(drafted, 1.0), "mtp tokens per forward": tokens / max(forwards, 1.0)}
 
@@ -394,7 +395,7 @@ class RLTrainer:
         sampling = Sampling(**{**vars(cfg.sampling), "temperature": cfg.eval_temperature, "return_routing": False})
         episode = EpisodeConfig(cfg.eval_samples, sampling, cfg.max_turns, cfg.max_response_length)
         groups = generate_groups(cfg.eval_tasks, self.make_env, self.generate, episode, False,
-                                 seed=12345 + self.args.seed)
+                                 seed=12345 + self.args.seed, per_rank=bool(cfg.remote_servers))
         success = np.array([[_success(r) for r in g.rollouts if r.sequence_index == 0] for g in groups],
                            dtype=np.float64)  # one per episode: a chain's sequences share its reward
         out = {"heldout success": float(success.mean()), "heldout pass@k": float(success.max(1).mean())}

@@ -104,9 +104,14 @@ def test_remote_speculative_equals_local_speculative(fleet, name):
     """Our servers' MTP drafting ("speculative": true) draws what EngineGenerate(speculative=True) draws."""
     urls, services, _, _ = fleet
     sampling = SAMPLINGS[name]
-    remote = RemoteGenerate(urls, speculative=True)(PROMPTS[:2], 2, sampling)
+    gen = RemoteGenerate(urls, speculative=True)
+    remote = gen(PROMPTS[:2], 2, sampling)
     engine = services[0].engine
-    _same(EngineGenerate(engine, speculative=True)(PROMPTS[:2], 2, sampling), remote, engine.weights_version)
+    local = EngineGenerate(engine, speculative=True)
+    _same(local(PROMPTS[:2], 2, sampling), remote, engine.weights_version)
+    counts, want = gen.pop_speculation(), local.pop_speculation()  # meta_info.spec_*: the same drafts
+    assert counts["drafted"] == want["drafted"] > 0 and counts["accepted"] == want["accepted"]
+    assert counts["tokens"] == want["tokens"] and gen.pop_speculation()["drafted"] == 0
     if name == "greedy":
         _same(EngineGenerate(engine)(PROMPTS[:2], 2, sampling), remote, engine.weights_version)
 
@@ -130,7 +135,8 @@ def test_reload_by_path_reaches_every_server(fleet):
 
 
 def _post(url, path, body):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -141,7 +147,8 @@ def _post(url, path, body):
 def test_native_generate_shapes(fleet):
     urls, services, _, _ = fleet
     url, engine = urls[0], services[0].engine
-    status, one = _post(url, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "return_routed_experts": True,
+    status, one = _post(url, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
+                                           "return_routed_experts": True,
                                            "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     assert status == 200 and isinstance(one, dict)
     want = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, return_routing=True))[0]
@@ -264,7 +271,8 @@ def test_bad_answers_name_the_server(reply, kind, words):
 def test_sglang_style_answers_are_accepted():
     """One weight version per request, no sampled logprobs, routing one row short (SGLang's shapes)."""
     routing = np.arange(4 * 3 * 2, dtype="<i4").reshape(4, 3, 2) % 7
-    fake = _Fake(lambda b: (200, _good(len(b["input_ids"]), routed_experts=base64.b64encode(routing.tobytes()).decode())))
+    encoded = base64.b64encode(routing.tobytes()).decode()
+    fake = _Fake(lambda b: (200, _good(len(b["input_ids"]), routed_experts=encoded)))
     try:
         import pickle
 
@@ -324,9 +332,13 @@ def test_a_server_killed_mid_request_raises_a_retryable_error():
         assert url in str(err.value) and err.value.retryable and err.value.prompt_indices == [0, 1, 2, 3]
 
 
-def test_rl_composer_generates_on_remote_servers(tmp_path):
-    """rl_composer.py --rl-remote-servers: a tools/serve.py server generates (with routing for replay), each step's
-    weights are published to it by path, and its tokens carry the version the trainer just published."""
+@pytest.mark.parametrize("nproc, extra", [(1, ["--rl-speculative"]),
+                                          pytest.param(2, [], marks=pytest.mark.slow, id="dp2")],
+                         ids=["1rank-speculative", "dp2"])
+def test_rl_composer_generates_on_remote_servers(tmp_path, nproc, extra):
+    """rl_composer.py --rl-remote-servers: a tools/serve.py server generates (with routing for replay; drafting
+    with --rl-speculative, its acceptance logged), each step's weights are published to it by path, and its tokens
+    carry the version the trainer just published. Under DP2 each rank sends its own share of the prompts."""
     from tests.unit.test_rl_composer import TINY, _prompts, _run
 
     arch = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64"]
@@ -334,7 +346,8 @@ def test_rl_composer_generates_on_remote_servers(tmp_path):
     with _serve_subprocess(*arch) as (_, url):
         logs, weights = str(tmp_path / "logs"), str(tmp_path / "weights")
         p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
-                         "--rl-remote-servers", url, "--rl-remote-weights-dir", weights, "--rl-routing-replay"])
+                         "--rl-remote-servers", url, "--rl-remote-weights-dir", weights, "--rl-routing-replay",
+                         *extra], nproc=nproc)
         trained = [json.loads(x) for x in open(os.path.join(logs, "trained_groups.jsonl"))]
         assert [r["step"] for r in trained] == [1, 1, 2, 2]
         assert all(r["policy_versions"] == [r["step"] - 1] for r in trained)  # the server's tokens, its version
@@ -343,3 +356,5 @@ def test_rl_composer_generates_on_remote_servers(tmp_path):
         agreement = [float(x.split("routing replay agreement: ")[1].split(" ")[0])
                      for x in p.stdout.splitlines() if "routing replay agreement" in x]
         assert len(agreement) == 2 and min(agreement) > 0.99  # the server routed as the trainer's weights do
+        acceptance = [x for x in p.stdout.splitlines() if " iteration " in x and "mtp acceptance" in x]
+        assert len(acceptance) == (2 if extra else 0)
