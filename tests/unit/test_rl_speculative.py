@@ -153,19 +153,27 @@ def test_speculative_flags_are_checked(flags, words):
 
 
 def test_rl_run_logs_the_acceptance_every_step(tmp_path):
+    """Two tensor-parallel ranks (one generation replica) with routing replay: the step's acceptance in the log line
+    and TensorBoard, the sampler's routing and log-probabilities still those the trainer recomputes."""
     from tests.unit.test_rl_composer import TINY, _prompts, _run
 
     logs = str(tmp_path / "logs")
     tb = str(tmp_path / "tb")
     p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
-                     "--rl-speculative", "--tensorboard-dir", tb, "--grpo-max-response-length", "12"])
+                     "--rl-speculative", "--tensorboard-dir", tb, "--grpo-max-response-length", "12",
+                     "--tensor-model-parallel-size", "2", "--sequence-parallel", "--rl-routing-replay"], nproc=2)
     lines = [line for line in p.stdout.splitlines() if " iteration " in line and "mtp acceptance" in line]
     assert len(lines) == 2, p.stdout[-2000:]
+
+    def value(line, key):
+        return float(line.split(f"{key}: ")[1].split(" ")[0])
+
     for line in lines:
-        value = float(line.split("mtp acceptance: ")[1].split(" ")[0])
-        assert 0.0 <= value <= 1.0
-        assert float(line.split("mtp tokens per forward: ")[1].split(" ")[0]) >= 1.0
-    trained = [json.loads(x) for x in open(os.path.join(logs, "trained_groups.jsonl"))]
+        assert 0.0 <= value(line, "mtp acceptance") <= 1.0 and value(line, "mtp tokens per forward") >= 1.0
+        assert value(line, "routing replay agreement") > 0.99  # the experts the trainer's routers would choose
+        assert value(line, "mismatch_max") < 1e-4  # sampler and trainer log-probabilities agree
+    with open(os.path.join(logs, "trained_groups.jsonl")) as f:
+        trained = [json.loads(x) for x in f]
     assert len(trained) == 4  # the rollouts were trained on as usual
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
