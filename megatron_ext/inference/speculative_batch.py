@@ -19,8 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from megatron_ext import platform
-from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, _finished, sampling_probs
-from megatron_ext.inference.speculative import SpeculationStats, _draw
+from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, group_counts, sampling_probs
+from megatron_ext.inference.speculative import (SpeculationStats, _draw, append_token, draft_depth, pick,
+                                                verify_drafts)
 
 
 @torch.inference_mode()
@@ -31,18 +32,8 @@ def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]
     """`n` samples of each prompt (or n[i] of prompt i) with MTP drafting, batched; sample j of a prompt whose
     params have seed s draws with seed s + j (as `generate_groups`); result[i][j]. `on_token(row, token_id,
     logprob)` is called as each token is emitted, rows numbered prompt by prompt, sample by sample."""
-    layers = len(engine.mtp_layers)
-    if layers == 0:
-        raise ValueError("speculative decoding needs a model with MTP layers (--mtp-num-layers >= 1)")
-    depth = layers if depth is None else depth
-    if not 1 <= depth <= layers:
-        raise ValueError(f"draft depth must be between 1 and the model's {layers} MTP layer(s), got {depth}")
-    counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
-    if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-        raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
-    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+    depth = draft_depth(engine, depth)
+    counts, per_prompt = group_counts(prompts, n, params)
     prompt_of = [i for i, c in enumerate(counts) for _ in range(c)]
     rows = [per_prompt[i] for i in prompt_of]
     engine.check_request([prompts[i] for i in prompt_of], rows)
@@ -114,7 +105,7 @@ class _Rows:
                 self.routing[r].append(prompt_routing[: lens[i], i])
         last = logits[self._long(range(P)), self._long(lens) - 1, : self.vocab].repeat_interleave(counts, dim=0)
         self.active = list(range(B))  # rows in batch-slot order
-        done = [self._emit(r, self._pick(r, last[r]), last[r]) for r in range(B)]
+        done = [self._emit(r, pick(last[r], self.rows[r], self.generators[r]), last[r]) for r in range(B)]
         self._settle(done)
         while self.active:
             self._settle(self._round())
@@ -182,48 +173,25 @@ class _Rows:
 
     def _verify(self, r: int, drafts: list[int], dists, logits: torch.Tensor) -> bool:
         """Row r accepts or rejects its drafts against the main model's logits [D + 1, vocab]; True when done."""
-        params, gen, mine = self.rows[r], self.generators[r], self.out[r].speculation
+        mine = self.out[r].speculation
         mine["verify_forwards"] += 1
-        for i, (d, q) in enumerate(zip(drafts, dists)):
-            if params.temperature == 0:
-                target = int(logits[i].argmax())
-                accepted = target == d
-            else:
-                p = sampling_probs(logits[i], params)
-                u = torch.rand(1, generator=gen, dtype=torch.float64, device=self.dev)
-                accepted = bool(u < min(1.0, float(p[d] / q[d])))
-            self.stats.count(i, accepted)
+
+        def count(depth: int, accepted: bool):
+            self.stats.count(depth, accepted)
             mine["drafted"] += 1
             mine["accepted"] += int(accepted)
-            if not accepted:
-                if params.temperature > 0:
-                    residual = (p - q).clamp(min=0)
-                    target = _draw(residual / residual.sum() if residual.sum() > 0 else p, gen)
-                return self._emit(r, target, logits[i])
-            if self._emit(r, d, logits[i]):
-                return True
-        return self._emit(r, self._pick(r, logits[len(drafts)]), logits[len(drafts)])
 
-    def _pick(self, r: int, logits: torch.Tensor) -> int:
-        params = self.rows[r]
-        if params.temperature == 0:
-            return int(logits.argmax())
-        return _draw(sampling_probs(logits, params), self.generators[r])
+        return verify_drafts(drafts, dists, logits, self.rows[r], self.generators[r], count,
+                             lambda token, main_logits: self._emit(r, token, main_logits))
 
     def _emit(self, r: int, token: int, main_logits: torch.Tensor) -> bool:
-        params, out = self.rows[r], self.out[r]
-        out.token_ids.append(token)
-        sampled = 0.0 if params.temperature == 0 else sampling_probs(main_logits, params)[token].log()
-        values = torch.stack((torch.log_softmax(main_logits.double(), -1)[token],
-                              torch.as_tensor(sampled, dtype=torch.float64, device=main_logits.device))).tolist()
-        out.logprobs.append(values[0])
-        out.sampled_logprobs.append(values[1])
-        out.versions.append(self.engine.weights_version)
+        done, logprob = append_token(self.out[r], token, main_logits, self.rows[r], self.engine.weights_version,
+                                     self.engine.detokenize)
         self.tokens[r].append(token)
         self.stats.tokens += 1
         if self.on_token is not None:
-            self.on_token(r, token, values[0])
-        return _finished(out, params, self.engine.detokenize)
+            self.on_token(r, token, logprob)
+        return done
 
     # ---- finished rows -----------------------------------------------------------------------------------------
     def _settle(self, done: list[bool]):
