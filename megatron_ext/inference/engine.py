@@ -40,6 +40,7 @@ expert in ``experts.linear_fc1`` / ``linear_fc2``); `_expert_weights` reads eith
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -672,11 +673,17 @@ class InferenceEngine:
 
     def _generate_rows(self, prompts, rows, seeds, counts: list[int], on_token=None) -> list[Completion]:
         self.check_request([prompts[i] for i in _prompt_of(counts)], rows)
+        with self.generating():
+            return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
+
+    @contextlib.contextmanager
+    def generating(self):
+        """The model in eval mode (restored after) and the platform's device mapping off, for one generation."""
         was_training = self.model.training
         self.model.eval()
         try:
             with platform.without_device_mapping():
-                return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
+                yield
         finally:
             self.model.train(was_training)
 

@@ -25,7 +25,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_ext import platform
 from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, _finished, sampling_probs
 
 
@@ -134,14 +133,8 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {engine.vocab_size})")
     stats = stats if stats is not None else SpeculationStats()
-    model = engine.model
-    was_training = model.training
-    model.eval()
-    try:
-        with platform.without_device_mapping():
-            return _Speculation(engine, prompt, params, stats, depth, on_token).run()
-    finally:
-        model.train(was_training)
+    with engine.generating():
+        return _Speculation(engine, prompt, params, stats, depth, on_token).run()
 
 
 class _Speculation:

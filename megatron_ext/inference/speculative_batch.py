@@ -18,7 +18,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_ext import platform
 from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, group_counts, sampling_probs
 from megatron_ext.inference.speculative import (SpeculationStats, _draw, append_token, draft_depth, pick,
                                                 verify_drafts)
@@ -43,14 +42,8 @@ def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]
     seeds = engine.agreed_seeds([p.seed + j if p.seed is not None else None
                                  for p, c in zip(per_prompt, counts) for j in range(c)])
     stats = stats if stats is not None else SpeculationStats()
-    model = engine.model
-    was_training = model.training
-    model.eval()
-    try:
-        with platform.without_device_mapping():
-            flat = _Rows(engine, prompts, counts, rows, seeds, stats, depth, on_token).run()
-    finally:
-        model.train(was_training)
+    with engine.generating():
+        flat = _Rows(engine, prompts, counts, rows, seeds, stats, depth, on_token).run()
     starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
     return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
 

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -33,6 +31,7 @@ from megatron_ext.rl.rollout import EngineGenerate, Sampling
 from megatron_ext.testing import init_layout_invariant_
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.step import build_model
+from tests.unit.test_server import _call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -134,20 +133,10 @@ def test_reload_by_path_reaches_every_server(fleet):
     assert gen.versions() == {u: 7 for u in urls}
 
 
-def _post(url, path, body):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_native_generate_shapes(fleet):
     urls, services, _, _ = fleet
     url, engine = urls[0], services[0].engine
-    status, one = _post(url, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
+    status, one = _call(url, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
                                            "return_routed_experts": True,
                                            "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     assert status == 200 and isinstance(one, dict)
@@ -161,14 +150,14 @@ def test_native_generate_shapes(fleet):
     rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").reshape(meta["routed_experts_shape"])
     assert np.array_equal(rows, want.routing.numpy())
     # a batch with n: a list, prompt-major; sample j of a seeded request draws with seed + j
-    status, many = _post(url, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {
+    status, many = _call(url, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {
         "max_new_tokens": 3, "temperature": 1.0, "n": 2, "sampling_seed": 40}})
     assert status == 200 and len(many) == 4
     for k, out in enumerate(many):
         prompt, j = [[5, 6, 7], [8, 9]][k // 2], k % 2
         alone = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, seed=40 + j))[0]
         assert out["output_ids"] == alone.token_ids
-    status, stop = _post(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+    status, stop = _call(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
         "max_new_tokens": 4, "temperature": 0, "stop_token_ids": [want.token_ids[1]]}})
     assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": want.token_ids[1]}
     assert len(stop["output_ids"]) == 2
@@ -185,7 +174,7 @@ def test_native_generate_shapes(fleet):
     ({"input_ids": [1], "lora_path": "x"}, "does not implement: ['lora_path']"),
 ])
 def test_native_generate_refuses_what_it_cannot_do(fleet, body, words):
-    status, out = _post(fleet[0][0], "/generate", body)
+    status, out = _call(fleet[0][0], "/generate", body)
     assert status == 400 and words in out["error"]["message"], out
 
 
@@ -194,9 +183,9 @@ def test_update_weights_from_disk_checks_its_fields(fleet):
     for body, words in [({"model_path": ""}, "'model_path' must name"), ({"model_path": "x", "weight_version": "v2"},
                         "'weight_version' must be a non-negative integer"),
                         ({"model_path": "x", "load_format": "safetensors"}, "'load_format'")]:
-        status, out = _post(url, "/update_weights_from_disk", body)
+        status, out = _call(url, "/update_weights_from_disk", body)
         assert status == 400 and out["success"] is False and words in out["message"], out
-    status, out = _post(url, "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "3"})
+    status, out = _call(url, "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "3"})
     assert status == 422 and out["success"] is False and "previous weights kept" in out["message"]
 
 
