@@ -18,6 +18,8 @@ Failures raise a `RemoteServerError` naming the server:
   `ServerUnavailable` (retryable = True): the server could not be reached, closed the connection or died
       mid-request, timed out, answered 5xx, or aborted the request. The generation did not happen on that
       server; the caller (the orchestrator) requeues the prompts of the call (`prompt_indices`) on other workers.
+      With `failover=True` the client first retries such a prompt on each other server (the colocated trainer's
+      setting); it raises only when every server failed it.
   `RequestRejected` (retryable = False): a 4xx; the request itself is wrong (the message is the server's).
   `BadResponse` (retryable = False): the answer lacks a field or does not add up (a protocol mismatch).
   `ReloadFailed`: a server did not load the weights or did not reach the version in time.
@@ -91,16 +93,22 @@ class RemoteGenerate:
 
     def __init__(self, urls: Sequence[str], timeout: float = 3600.0, max_concurrency: int = 64,
                  routing_shape: Optional[tuple[int, int]] = None, reload_timeout: float = 1800.0,
-                 connect_timeout: float = 10.0, speculative: bool = False):
+                 connect_timeout: float = 10.0, speculative: bool = False, failover: bool = False):
         urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not urls:
             raise ValueError("RemoteGenerate needs at least one server URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"a server URL is given twice: {urls}")
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"server URLs must start with http:// or https://, got {bad}")
         self.urls, self.timeout, self.max_concurrency = urls, timeout, max_concurrency
         self.routing_shape, self.reload_timeout, self.connect_timeout = routing_shape, reload_timeout, connect_timeout
         self.speculative = speculative  # our servers' MTP drafting ("speculative": true; SGLang: a launch option)
+        # failover: a prompt whose server is unavailable goes to another one (same seeds: the same samples when the
+        # servers hold the same weights); that server is avoided until it answers again
+        self.failover = failover
+        self._down: set[str] = set()
         self._in_flight = {u: 0 for u in urls}
         self._speculation = {"drafted": 0, "accepted": 0, "main_forwards": 0, "tokens": 0}
         self._next = 0
@@ -137,10 +145,12 @@ class RemoteGenerate:
         except ValueError:
             raise BadResponse(url, f"{path} answered something that is not JSON: {raw[:200]!r}", prompts) from None
 
-    def _pick(self) -> str:
+    def _pick(self, exclude: Sequence[str] = ()) -> str:
         with self._lock:
-            low = min(self._in_flight.values())
-            free = [u for u in self.urls if self._in_flight[u] == low]
+            candidates = [u for u in self.urls if u not in exclude]
+            candidates = [u for u in candidates if u not in self._down] or candidates
+            low = min(self._in_flight[u] for u in candidates)
+            free = [u for u in candidates if self._in_flight[u] == low]
             url = free[self._next % len(free)]
             self._next += 1
             self._in_flight[url] += 1
@@ -160,13 +170,26 @@ class RemoteGenerate:
         errors: list[RemoteServerError] = []
 
         def one(i: int):
-            url = self._pick()
-            try:
-                results[i] = self._generate(url, i, prompts[i], n, sampling)
-            except RemoteServerError as e:
-                errors.append(e)
-            finally:
-                self._done(url)
+            tried: list[str] = []
+            while True:
+                url = self._pick(tried)
+                tried.append(url)
+                try:
+                    results[i] = self._generate(url, i, prompts[i], n, sampling)
+                    with self._lock:
+                        self._down.discard(url)
+                    return
+                except ServerUnavailable as e:
+                    with self._lock:
+                        self._down.add(url)
+                    if not self.failover or len(tried) == len(self.urls):
+                        errors.append(e)
+                        return
+                except RemoteServerError as e:
+                    errors.append(e)
+                    return
+                finally:
+                    self._done(url)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.max_concurrency))) as pool:
             list(pool.map(one, range(len(prompts))))

@@ -196,7 +196,7 @@ class RLTrainer:
         if generate is None and cfg.remote_servers:
             from megatron_ext.rl.remote import RemoteGenerate
 
-            self.generate = RemoteGenerate(cfg.remote_servers, speculative=cfg.speculative)
+            self.generate = RemoteGenerate(cfg.remote_servers, speculative=cfg.speculative, failover=True)
             self._publish_remote()  # the servers start from the trainer's weights and version
         elif generate is None:
             from megatron_ext.inference.engine import InferenceEngine

@@ -285,6 +285,17 @@ def test_a_down_server_fails_only_its_prompts():
             RemoteGenerate([alive.url, dead.url])([[1], [2], [3], [4]], 1, Sampling(max_tokens=2))
         assert dead.url in str(err.value) and err.value.url == dead.url
         assert 0 < len(err.value.prompt_indices) < 4  # the live server answered the others
+        # failover: the dead server's prompts go to the live one, which is then preferred
+        gen = RemoteGenerate([dead.url, alive.url], failover=True)
+        out = gen([[1], [2], [3], [4]], 2, Sampling(max_tokens=2))
+        assert [len(g) for g in out] == [2] * 4 and all(s.token_ids == [4, 5] for g in out for s in g)
+        assert gen._down == {dead.url}
+        other = _Fake(lambda b: (200, _good(1)))
+        other.close()
+        with pytest.raises(ServerUnavailable, match="failed"):  # every server down: still a retryable error
+            RemoteGenerate([dead.url, other.url], failover=True)([[1]], 1, Sampling(max_tokens=2))
+        with pytest.raises(ValueError, match="given twice"):
+            RemoteGenerate([dead.url, dead.url + "/"])
         with pytest.raises(ValueError, match="http:// or https://"):
             RemoteGenerate(["localhost:8000"])
     finally:
