@@ -68,7 +68,9 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
                     routing_replay=args.rl_routing_replay, log_dir=args.rl_log_dir,
                     reference_load=args.rl_reference_load, eval_tasks=eval_tasks,
                     eval_interval=args.rl_eval_interval, eval_samples=args.rl_eval_samples,
-                    eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup)
+                    eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup,
+                    speculative=args.rl_speculative, speculative_depth=args.rl_speculative_depth,
+                    remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir)
 
 
 def main(argv=None):

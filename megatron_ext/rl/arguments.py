@@ -66,6 +66,22 @@ def add_rl_args(parser: argparse.ArgumentParser):
     g.add_argument("--rl-eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
     g.add_argument("--rl-sft-warmup", action="store_true",
                    help="train on the prompts' reference answers instead of sampling (supervised warm-up)")
+    s = parser.add_argument_group("rl generation", "how rollouts are decoded")
+    s.add_argument("--rl-speculative", action="store_true",
+                   help="decode rollouts with MTP speculative decoding: lossless (the policy's own distribution; "
+                        "greedy gives the same tokens), logprobs/versions/routing of every token as without it; "
+                        "needs --mtp-num-layers >= 1 (the MTP layers keep learning by detached self-distillation); "
+                        "the acceptance (accepted / proposed drafts) is logged each step as 'mtp acceptance'")
+    s.add_argument("--rl-speculative-depth", type=int, default=None,
+                   help="MTP layers drafting with --rl-speculative (default: all of them)")
+    s.add_argument("--rl-remote-servers", nargs="+", default=None, metavar="URL",
+                   help="generate on these SGLang-native inference servers (tools/serve.py, or SGLang with "
+                        "--enable-return-routed-experts) instead of the trainer's ranks; token ids in and out, "
+                        "requests spread over the servers; after every step the weights are published to "
+                        "--rl-remote-weights-dir and each server reloads them (POST /update_weights_from_disk)")
+    s.add_argument("--rl-remote-weights-dir", default=None,
+                   help="directory every server can read (shared storage): each step's weights go to "
+                        "DIR/v<version> as a weights-only checkpoint; older versions are removed")
 
 
 def validate_rl_args(args: argparse.Namespace):
@@ -80,10 +96,18 @@ def validate_rl_args(args: argparse.Namespace):
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.grpo_kl_beta < 0:
         fail("--grpo-kl-beta must be >= 0")
-    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+    if args.rl_remote_servers and not args.rl_remote_weights_dir:
+        fail("--rl-remote-servers needs --rl-remote-weights-dir DIR (a directory the servers can read) to publish "
+             "each step's weights")
+    if args.rl_remote_weights_dir and not args.rl_remote_servers:
+        fail("--rl-remote-weights-dir is only used with --rl-remote-servers URL [URL ...]")
+    bad = [u for u in args.rl_remote_servers or () if not u.startswith(("http://", "https://"))]
+    if bad:
+        fail(f"--rl-remote-servers takes http(s):// URLs, got {bad}")
+    if (args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1) and not args.rl_remote_servers:
         fail("colocated generation runs the inference engine on every rank's model, which needs "
              "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the RL training step itself supports "
-             "PP/CP; separate generation workers come with the asynchronous RL issue)")
+             "PP/CP; or generate on --rl-remote-servers)")
     if args.rl_importance_sampling == "sequence" and args.context_parallel_size > 1:
         fail("--rl-importance-sampling sequence needs whole samples on a rank: --context-parallel-size 1")
     if args.rl_routing_replay and not args.arch.num_experts:
@@ -97,6 +121,15 @@ def validate_rl_args(args: argparse.Namespace):
         if args.rl_reward_weights:
             fail(f"--rl-reward-weights names digit reward parts; for --rl-env {args.rl_env} use "
                  "--env-reward-weights FILE or --env-reward-weight NAME=W")
+    mtp = args.arch.mtp_num_layers or 0
+    if args.rl_speculative and not mtp:
+        fail("--rl-speculative drafts with the MTP layers: the model needs --mtp-num-layers >= 1")
+    if args.rl_speculative_depth is not None:
+        if not args.rl_speculative:
+            fail("--rl-speculative-depth needs --rl-speculative")
+        if not 1 <= args.rl_speculative_depth <= mtp:
+            fail(f"--rl-speculative-depth must be between 1 and --mtp-num-layers ({mtp}), got "
+                 f"{args.rl_speculative_depth}")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 
