@@ -351,7 +351,8 @@ class SubAgentRun:
         return s
 
     def to_json(self) -> dict:
-        return {"name": self.spec.name, "task": self.task, "status": self.status, "error": self.error,
+        return {"name": self.spec.name, "task": self.task, "tools": self.spec.tools, "status": self.status,
+                "error": self.error,
                 "steps": self.steps, "wall_s": round((self.end or time.monotonic()) - self.start, 3),
                 "changed_files": self.changed(), "collected": self.collected, "merged": self.merged,
                 "transcript": self.session.all_messages(),
