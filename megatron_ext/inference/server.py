@@ -216,7 +216,8 @@ class ModelService:
             return
         fix = (f"at most {context - prompt_tokens} tokens fit: lower max_tokens" if prompt_tokens < context else
                "the prompt alone fills it: shorten the messages, or serve with a longer --inference-max-seq-length")
-        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+        total = prompt_tokens + max_tokens
+        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                            f"exceeds the model's context of {context} tokens; {fix}",
                            fields={"reason": "context_length_exceeded", "param": "max_tokens",
                                    "prompt_tokens": prompt_tokens, "max_model_len": context})

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from megatron_ext.env.agents import EndpointAgent
 from megatron_ext.env.episode import SYSTEM_PROMPT
 from megatron_ext.env.tools import TOOL_SCHEMAS
@@ -131,8 +133,6 @@ def test_agents_fit_their_turns_into_the_context(tmp_path, capsys):
 
 
 def test_serving_context_follows_yarn():
-    import pytest
-
     from megatron_ext.models.presets import TINY
     from megatron_ext.training.stages import StageError, attention_scale_factor, serving_context
 

@@ -101,7 +101,7 @@ def test_summary_of_synthetic_episodes_reports_swarm_steps_and_partial_runs():
     # a single-agent episode (b, no critical_steps of its own): critical steps = total steps = its turns
     assert a["efficiency"]["critical_steps"] == 3.0 and s["per_task"]["b"]["efficiency"]["critical_steps"] == 5.0
     assert s["per_task"]["b"]["efficiency"]["total_steps"] == 5.0 and "swarm" not in s
-    assert s["efficiency"]["critical_steps"] == pytest.approx(11 / 3) and s["efficiency"]["turns"] == pytest.approx(11 / 3)
+    assert s["efficiency"]["critical_steps"] == s["efficiency"]["turns"] == pytest.approx(11 / 3)
     assert s["efficiency"]["cost"] == 16.0 and s["efficiency"]["cost_total"] == 48.0
     assert s["pass_at_k"] == {"1": 0.75}  # task b has one pass: pass@k only up to the passes every task has
     assert s["per_task"]["c"]["passes"] == 0 and s["per_task"]["c"]["accuracy"] is None

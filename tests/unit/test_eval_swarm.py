@@ -12,8 +12,7 @@ import shutil
 import pytest
 
 from megatron_ext.env.demo import TWO_PART_ORCHESTRATOR, TWO_PART_SERIAL, TWO_PART_SUBAGENTS, make_two_part_task
-from tests.unit.eval_fixtures import run_eval_main, script_dir
-from tests.unit.test_eval_harness import _chromium_image_sizes
+from tests.unit.eval_fixtures import chromium_image_sizes, run_eval_main, script_dir
 
 TASK = "kit-two-part"
 
@@ -112,7 +111,7 @@ def test_swarm_report_and_comparison_render_in_a_browser(two_runs):
     out = os.path.join(two_runs["root"], "cmp-render")
     assert two_runs["main"](["--compare", two_runs["serial"], two_runs["swarm"], "--out", out]) == 0
     for page in (os.path.join(two_runs["swarm"], "report.html"), os.path.join(out, "compare.html")):
-        sizes = {i["id"]: (i["w"], i["h"]) for i in _chromium_image_sizes(page)}
+        sizes = {i["id"]: (i["w"], i["h"]) for i in chromium_image_sizes(page)}
         assert sizes.pop("broken-control") == (0, 0)
         assert set(sizes) == {"fig-accuracy", "fig-pareto", "fig-heatmap"}
         assert all(w > 200 and h > 100 for w, h in sizes.values())
