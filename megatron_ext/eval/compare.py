@@ -105,7 +105,7 @@ def build(runs: list[tuple[str, dict]], result: dict) -> Document:
         if pair["efficiency"]:
             doc.table(["efficiency (mean over shared tasks)", result["baseline"], name, "difference", "ratio",
                        "paired p"],
-                      [[k.replace("_", " "), fmt(e["a"], 2), fmt(e["b"], 2), f"{e['difference']:+.2f}",
+                      [[k.replace("_", " "), fmt(e["a"], 2), fmt(e["b"], 2), f"{e['difference']:+,.2f}",
                         fmt(e["ratio"], 3), f"{e['p']:.4g}"] for k, e in pair["efficiency"].items()])
         rows = sorted(pair["per_task"].items(), key=lambda kv: (kv[1]["p_holm"], -abs(kv[1]["difference"])))
         doc.table(["task", result["baseline"], name, "difference", "Fisher p", "Holm p", "significant",
