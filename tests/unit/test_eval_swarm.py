@@ -115,3 +115,28 @@ def test_swarm_report_and_comparison_render_in_a_browser(two_runs):
         assert sizes.pop("broken-control") == (0, 0)
         assert set(sizes) == {"fig-accuracy", "fig-pareto", "fig-heatmap"}
         assert all(w > 200 and h > 100 for w, h in sizes.values())
+
+
+def test_unreachable_subagent_server_stores_nothing(two_runs, tmp_path):
+    """Sub-agents whose server refuses connections say nothing about the orchestrator: the episode is not stored
+    and is retried on resume, as with an unreachable orchestrator."""
+    import socket
+
+    from megatron_ext.env.episode import EpisodeConfig
+    from megatron_ext.env.sandbox import BubblewrapConfig
+    from megatron_ext.env.swarm import SwarmConfig
+    from megatron_ext.env.tasks import load_task
+    from megatron_ext.eval.agents import make_factory, swarm_setup
+    from megatron_ext.eval.harness import RunDir, run_suite
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    task = load_task(os.path.join(two_runs["root"], "task", "task.json"))
+    factory = make_factory(f"script:{os.path.join(two_runs['root'], 'orchestrator')}", [task])
+    setup = swarm_setup(f"endpoint:http://127.0.0.1:{port}", [task], SwarmConfig(max_subagents=2), timeout_s=5)
+    run, lines = RunDir(str(tmp_path / "run")), []
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path)))
+    outcome = run_suite([task], factory, run, 1, 1, config, log=lines.append, swarm=setup)
+    assert outcome["ran"] == 0 and len(outcome["failed"]) == 1 and "Connection refused" in outcome["failed"][0][2]
+    assert run.records([task], 1) == [] and "retried when the run is resumed" in lines[0]
