@@ -5,13 +5,20 @@
         --concurrency 8 --price-input 0.5 --price-cached-input 0.05 --price-output 2.5 --out runs/eval/k25
     python tools/run_eval.py --tasks builtin:NAME --agent local:CKPT --serve-arg=--tokenizer-model \
         --serve-arg=DIR --out runs/eval/ours          # the checkpoint is served in this process
+    python tools/run_eval.py --tasks SUITE --agent-mode swarm --agent endpoint:URL --model NAME \
+        --swarm-subagent-policy endpoint:URL2 --swarm-max-subagents 4 --out runs/eval/swarm
     python tools/run_eval.py --compare runs/eval/k25 runs/eval/ours --out runs/eval/k25-vs-ours
     python tools/run_eval.py nll ...                  # codebase NLL (megatron_ext/eval/nll.py)
 
 SUITE: a .json/.jsonl task file (megatron_ext/env/tasks.py), a directory of them (or of */task.json), or
 builtin:NAME. script:DIR holds DIR/<task id>.json, the environment's ACTIONS.json format (no file: no actions).
 The run directory gets one file per finished episode as it finishes (RUN/episodes/), then episodes.jsonl,
-summary.json, report.md and report.html. Running the same command again resumes: finished episodes are kept
+summary.json, report.md and report.html. With --agent-mode swarm the agent is an orchestrator that delegates
+to sub-agents (megatron_ext/env/swarm.py; sub-agents from --swarm-subagent-policy: script:DIR with
+DIR/<task id>.json = {name: actions}, script:SCRIPTS.json, endpoint:URL or local:CKPT); the summary and report
+add critical steps, total steps and the swarm's statistics, and --compare of a swarm run against a single-agent run
+on the same suite shows the accuracy and the critical-step and wall-clock differences.
+Running the same command again resumes: finished episodes are kept
 (also after kill -9); with other price flags it only rewrites the summary and report. Exit status: 0 when every
 episode ran, 1 when some could not run (resume to retry them), 2 on bad input.
 """
@@ -28,9 +35,9 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 
 from megatron_ext.env.agents import AgentError  # noqa: E402
-from megatron_ext.env.arguments import add_env_args, episode_config  # noqa: E402
+from megatron_ext.env.arguments import add_env_args, add_swarm_args, episode_config, swarm_config  # noqa: E402
 from megatron_ext.env.tasks import TaskError  # noqa: E402
-from megatron_ext.eval.agents import endpoint_factory, make_factory  # noqa: E402
+from megatron_ext.eval.agents import endpoint_factory, make_factory, swarm_setup  # noqa: E402
 from megatron_ext.eval.harness import RunDir, RunError, run_suite, token_counter  # noqa: E402
 from megatron_ext.eval.tasks import load_suite  # noqa: E402
 from megatron_ext.eval.usage import Prices  # noqa: E402
@@ -40,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", help="SUITE: task file, directory of task files, or builtin:NAME")
     p.add_argument("--agent", help="script:DIR | endpoint:URL | local:CKPT")
+    p.add_argument("--agent-mode", default="single", choices=("single", "swarm"),
+                   help="swarm: the agent is an orchestrator with sub-agents (the --swarm-* flags)")
     p.add_argument("--model", default=None, help="model name sent to the endpoint")
     p.add_argument("--passes", type=int, default=1, help="episodes per task (K)")
     p.add_argument("--concurrency", type=int, default=1, help="episodes run at once")
@@ -58,7 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens read from a prefix cache (default: --price-input)")
     g.add_argument("--price-output", type=float, default=0.0, help="generated tokens")
     add_env_args(p)
+    add_swarm_args(p)
     return p
+
+
+SWARM_PINNED = ("swarm_subagent_policy", "swarm_max_subagents", "swarm_subagent_max_turns",
+                "swarm_subagent_max_tokens", "swarm_subagent_timeout_s", "swarm_subagent_tokens_per_turn",
+                "swarm_subagent_temperature")
+
+
+def swarm_manifest(args) -> dict | None:
+    """The swarm settings run.json pins (a resumed run must use the same), None for a single agent."""
+    if args.agent_mode != "swarm":
+        return None
+    return {k[len("swarm_"):]: getattr(args, k) for k in SWARM_PINNED}
 
 
 def serve_local(checkpoint: str, serve_args: list):
@@ -152,12 +174,15 @@ def main(argv=None) -> int:
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.agent_mode != "swarm" and args.swarm_subagent_policy:
+        print("error: --swarm-subagent-policy needs --agent-mode swarm", file=sys.stderr)
+        return 2
     prices = Prices(args.price_input, args.price_input if args.price_cached_input is None else args.price_cached_input,
                     args.price_output)
     if min(prices.input, prices.cached_input, prices.output) < 0:
         print("error: --price-* must be >= 0", file=sys.stderr)
         return 2
-    stop = None
+    stop, swarm = None, None
     try:
         tasks = load_suite(args.tasks)
         config = episode_config(args)
@@ -165,15 +190,25 @@ def main(argv=None) -> int:
                                              if args.agent.startswith("local:") else None)
         config.count_tokens, counter = token_counter(tokenizer)
         run = RunDir(args.out)
+        swarm_cfg = swarm_config(args) if args.agent_mode == "swarm" else None
         run.start({"suite_spec": args.tasks, "agent": args.agent, "model": args.model,
+                   "agent_mode": args.agent_mode, "swarm": swarm_manifest(args),
                    "task_ids": [t.id for t in tasks], "passes": args.passes,
                    "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         endpoint = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+        url = None
         if args.agent.startswith("local:"):
             url, stop = serve_local(args.agent[len("local:"):], args.serve_arg)
             factory = endpoint_factory(url, **endpoint)
         else:
             factory = make_factory(args.agent, tasks, **endpoint)
+        if swarm_cfg is not None:
+            sub = {"model": args.model, "max_tokens": args.swarm_subagent_tokens_per_turn,
+                   "temperature": args.swarm_subagent_temperature}
+            if (args.swarm_subagent_policy or "").startswith("local:"):
+                sub["serve_args"] = tuple(args.serve_arg)
+            swarm = swarm_setup(args.swarm_subagent_policy, tasks, swarm_cfg, agent_url=url,
+                                agent_checkpoint=args.agent[len("local:"):] if url else None, **sub)
     except (TaskError, AgentError, RunError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: checkpoints
         if stop is not None:
             stop()
@@ -182,15 +217,20 @@ def main(argv=None) -> int:
     from megatron_ext.eval.outputs import publish
 
     try:
-        outcome = run_suite(tasks, factory, run, args.passes, args.concurrency, config)
+        outcome = run_suite(tasks, factory, run, args.passes, args.concurrency, config, swarm=swarm)
     finally:
+        if swarm is not None:
+            swarm.close()
         if stop is not None:
             stop()
     summary = publish(run, tasks, args.passes, prices, counter)
     if summary["accuracy"] is not None:
         low, high = summary["accuracy_ci"]
-        print(f"accuracy {summary['accuracy']:.3f} [{low:.3f}, {high:.3f}] over {summary['episodes']} episodes; "
-              f"report: {os.path.join(args.out, 'report.html')}")
+        eff = summary["efficiency"]
+        print(f"accuracy {summary['accuracy']:.3f} [{low:.3f}, {high:.3f}] over {summary['episodes']} episodes "
+              f"(statuses: {', '.join(f'{k} {v}' for k, v in sorted(summary['statuses'].items()))}); steps per "
+              f"episode {eff['total_steps']:.2f} total, {eff['critical_steps']:.2f} critical; wall-clock "
+              f"{eff['wall_s']:.1f} s per episode; report: {os.path.join(args.out, 'report.html')}")
     if outcome["failed"]:
         print(f"{len(outcome['failed'])} episodes could not run (resume to retry): {outcome['failed'][:5]}",
               file=sys.stderr)

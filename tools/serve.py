@@ -36,6 +36,12 @@ def _serve_args(parser: argparse.ArgumentParser):
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--hf-dir", default=None, help="serve a Hugging Face checkpoint (imported first)")
     g.add_argument("--served-model-name", default=None, help="the name /v1/models reports")
+    g.add_argument("--inference-max-seq-length", type=int, default=None,
+                   help="context (prompt + generated tokens) to serve; default: the model's trained context "
+                        "(--max-position-embeddings). Beyond it only for YaRN models: the YaRN factor is raised so "
+                        "that --original-max-position-embeddings x factor covers it (YaRN's inference-time "
+                        "extension; the model never trained at that factor, so quality inside the trained context "
+                        "can shift a little: compare codebase NLL, tools/run_eval.py nll, at both settings)")
 
 
 def prepare_hf_checkpoint(hf_dir: str, save: str | None, log=print):
@@ -88,6 +94,13 @@ def build_service(args):
     from megatron_ext.training.initialize import initialize_distributed
     from megatron_ext.training.step import build_model
 
+    if args.inference_max_seq_length is not None:
+        from megatron_ext.training.stages import serving_context
+
+        args.arch, note = serving_context(args.arch, args.inference_max_seq_length)  # StageError: a ValueError
+        args.max_position_embeddings = args.arch.max_position_embeddings
+        args.rotary_scaling_factor = args.arch.rotary_scaling_factor
+        print(note, flush=True)
     initialize_distributed(args)
     model = build_model(args, wrap_ddp=False)
     if args.load:
@@ -132,6 +145,8 @@ def main(argv=None) -> int:
 
 
 def _serve(argv: list) -> int:
+    from megatron_ext.training.stages import StageError
+
     try:
         args = parse_args(argv + ["--mock-data"], description=__doc__, extra=(_serve_args,))
     except ArgumentError as e:
@@ -143,7 +158,12 @@ def _serve(argv: list) -> int:
     from megatron_ext.inference.server import serve
     from megatron_ext.training.initialize import destroy
 
-    service = build_service(args)
+    try:
+        service = build_service(args)
+    except StageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        destroy()
+        return 2
     if service.peers is not None and dist.get_rank() != 0:
         service.peers.follow(service)  # until rank 0 stops
         destroy()

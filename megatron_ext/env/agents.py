@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-from megatron_ext.env.episode import SUMMARY_REQUEST
+from megatron_ext.env.episode import SUMMARY_REQUEST, ContextExceeded
 
 SCRIPT_FINISH = "Scripted agent: all actions played."
 
@@ -79,26 +79,80 @@ class ScriptAgent:
         pass
 
 
+def context_overflow(error_body: str) -> Optional[tuple[int, int]]:
+    """(prompt tokens, context length) from a server's 400 answer to a request that does not fit the model's
+    context: tools/serve.py's error fields, or vLLM's message; None for any other error."""
+    try:
+        error = json.loads(error_body).get("error") or {}
+    except (ValueError, AttributeError):
+        error = {}
+    if isinstance(error, dict) and isinstance(error.get("prompt_tokens"), int) and \
+            isinstance(error.get("max_model_len"), int):
+        return error["prompt_tokens"], error["max_model_len"]
+    context = re.search(r"maximum context length is (\d+) tokens", error_body)
+    prompt = re.search(r"(\d+) in the messages|has (\d+) input tokens", error_body)
+    if context and prompt:
+        return int(prompt.group(1) or prompt.group(2)), int(context.group(1))
+    return None
+
+
 class EndpointAgent:
-    """A model behind an OpenAI-compatible /v1/chat/completions (tools/serve.py, vLLM, SGLang)."""
+    """A model behind an OpenAI-compatible /v1/chat/completions (tools/serve.py, vLLM, SGLang).
+
+    Each turn asks for `max_tokens`, clamped to the context the conversation leaves: at most the model's context
+    length (`max_model_len` of GET /v1/models, which tools/serve.py and vLLM report) minus one, and, when the
+    server answers that prompt + max_tokens does not fit, once more with exactly the room left. A conversation
+    that leaves no room raises `ContextExceeded` (the episode ends "context_exceeded")."""
 
     def __init__(self, url: str, model: Optional[str] = None, max_tokens: int = 1024, temperature: float = 0.0,
                  timeout_s: float = 600.0):
-        self.url = url.rstrip("/")
-        if not self.url.endswith("/v1/chat/completions"):
-            self.url += "/v1/chat/completions"
+        self.base = url.rstrip("/")
+        if self.base.endswith("/v1/chat/completions"):
+            self.base = self.base[: -len("/v1/chat/completions")]
+        self.url = self.base + "/v1/chat/completions"
         self.model, self.max_tokens, self.temperature, self.timeout_s = model, max_tokens, temperature, timeout_s
+        self._context: Optional[int] = None
+        self._asked = False
 
-    def act(self, messages: list[dict], tools: list[dict]) -> dict:
-        body = {"messages": messages, "tools": tools, "max_tokens": self.max_tokens,
-                "temperature": self.temperature}
-        if self.model:
-            body["model"] = self.model
+    def context_length(self) -> Optional[int]:
+        """The served model's context length from GET /v1/models (None when the server does not say)."""
+        if not self._asked:
+            self._asked = True
+            try:
+                with urllib.request.urlopen(self.base + "/v1/models", timeout=min(self.timeout_s, 30.0)) as r:
+                    models = json.load(r).get("data") or []
+                entry = next((m for m in models if m.get("id") == self.model), models[0] if models else {})
+                value = entry.get("max_model_len")
+                self._context = value if isinstance(value, int) and value > 1 else None
+            except (OSError, ValueError, AttributeError, TypeError):
+                self._context = None  # not every endpoint lists models; the server's 400 answer still tells
+        return self._context
+
+    def _post(self, body: dict) -> dict:
         request = urllib.request.Request(self.url, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return json.load(response)
+
+    def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        context = self.context_length()
+        max_tokens = min(self.max_tokens, context - 1) if context else self.max_tokens
+        body = {"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": self.temperature}
+        if self.model:
+            body["model"] = self.model
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.load(response)
+            try:
+                reply = self._post(body)
+            except urllib.error.HTTPError as e:
+                text = e.read().decode(errors="replace")
+                overflow = context_overflow(text) if e.code == 400 else None
+                if overflow is None:
+                    raise AgentError(f"{self.url}: HTTP {e.code}: {text[:500]}") from None
+                prompt, context = overflow
+                if prompt >= context:
+                    raise ContextExceeded(f"the conversation ({prompt} tokens) fills the model's context of "
+                                          f"{context} tokens", prompt, context) from None
+                reply = self._post({**body, "max_tokens": context - prompt})
         except urllib.error.HTTPError as e:
             raise AgentError(f"{self.url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
         except (urllib.error.URLError, OSError) as e:

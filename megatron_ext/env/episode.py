@@ -10,7 +10,9 @@
 The episode speaks messages (OpenAI chat shape: what tools/serve.py and the Kimi-K2 chat template exchange); an
 agent is anything with ``act(messages, tools) -> assistant message``, so scripted agents, a remote
 OpenAI-compatible server and a local checkpoint take the same path. Nothing the agent sends raises: malformed
-calls become error observations and a failing agent ends the episode with status ``agent_error``.
+calls become error observations and a failing agent ends the episode with status ``agent_error``; an agent whose
+conversation no longer fits its model's context (`ContextExceeded`) ends it with ``context_exceeded``: graded like
+any other ending (so counted as wrong unless the work was done), not an infrastructure error.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ SUMMARY_REQUEST = (
     "will continue from it.")
 
 
+class ContextExceeded(RuntimeError):
+    """The conversation (prompt) leaves no room to generate in the model's context: the agent's episode is over."""
+
+    def __init__(self, message: str, prompt_tokens: Optional[int] = None, context: Optional[int] = None):
+        super().__init__(message)
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 class Agent(Protocol):
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
         """The next assistant message: {"content", optional "reasoning_content", optional "tool_calls"}."""
@@ -66,7 +76,8 @@ class EpisodeConfig:
 @dataclass
 class EpisodeResult:
     task_id: str
-    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error" | "abandoned"
+    status: str                      # "finished" | "no_tool_calls" | "max_turns" | "agent_error" |
+    #                                  "context_exceeded" | "abandoned"
     messages: list                   # the last segment's transcript
     calls: list
     grading: dict
@@ -290,7 +301,8 @@ class Session:
 
     def fail(self, error: BaseException):
         """The agent could not produce a reply: the episode ends (and is still graded)."""
-        self.status, self.error = "agent_error", f"{type(error).__name__}: {error}"
+        status = "context_exceeded" if isinstance(error, ContextExceeded) else "agent_error"
+        self.status, self.error = status, f"{type(error).__name__}: {error}"
 
     def finish(self) -> EpisodeResult:
         """Grade in a fresh sandbox, score, remove the sandbox; idempotent."""

@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from megatron_ext.env.agents import AgentError, EndpointAgent, LocalAgent, ScriptAgent, check_actions
-from megatron_ext.env.episode import (Agent, EpisodeConfig, EpisodeResult, Session, _restore, _text, changed_paths,
-                                      drive, snapshot)
+from megatron_ext.env.episode import (Agent, ContextExceeded, EpisodeConfig, EpisodeResult, Session, _restore, _text,
+                                      changed_paths, drive, snapshot)
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import SCHEMAS, TOOL_SCHEMAS, Toolbox, ToolError, _fn, truncate
 
@@ -92,7 +92,8 @@ SWARM_ONLY_SCHEMAS = [
 ]
 SWARM_TOOL_SCHEMAS = TOOL_SCHEMAS + SWARM_ONLY_SCHEMAS
 SWARM_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in SWARM_TOOL_SCHEMAS}
-ENDED = ("finished", "no_tool_calls", "max_turns", "budget", "agent_error", "crashed", "timeout", "cancelled")
+ENDED = ("finished", "no_tool_calls", "max_turns", "budget", "agent_error", "context_exceeded", "crashed", "timeout",
+         "cancelled")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,9 +250,14 @@ class EnginePolicy:
         from megatron_ext.inference.engine import SamplingParams
 
         prompt = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids
+        room = self.engine.model.max_sequence_length - len(prompt)
+        if room < 1:
+            raise ContextExceeded(f"the prompt ({len(prompt)} tokens) fills the model's context of "
+                                  f"{self.engine.model.max_sequence_length} tokens", len(prompt),
+                                  self.engine.model.max_sequence_length)
         with self.lock:
             self.turns += 1
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+            params = SamplingParams(max_tokens=min(self.max_tokens, room), temperature=self.temperature,
                                     stop_token_ids=self.stop, seed=self.turns)
             [completion] = self.engine.generate([prompt], params)
         reply = parse_assistant(self.tokenizer, completion.token_ids)
@@ -351,7 +357,8 @@ class SubAgentRun:
         return s
 
     def to_json(self) -> dict:
-        return {"name": self.spec.name, "task": self.task, "status": self.status, "error": self.error,
+        return {"name": self.spec.name, "task": self.task, "tools": self.spec.tools, "status": self.status,
+                "error": self.error,
                 "steps": self.steps, "wall_s": round((self.end or time.monotonic()) - self.start, 3),
                 "changed_files": self.changed(), "collected": self.collected, "merged": self.merged,
                 "transcript": self.session.all_messages(),

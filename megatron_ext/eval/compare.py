@@ -6,6 +6,10 @@ adjusted p < ALPHA. Overall: the difference in accuracy over the tasks both runs
 permutation test of the per-task accuracy differences (exact up to 16 differing tasks; with one pass per run this
 is the exact McNemar test). Figures: accuracy with intervals per run, accuracy against tokens or cost with the
 Pareto frontier, and a task x run accuracy heatmap.
+
+Efficiency next to accuracy (a swarm agent against a single agent on the same suite, --agent-mode): total steps,
+critical steps, wall-clock per episode and tokens, each the mean over the shared tasks of the task's mean over
+passes, with the difference, the ratio and the same paired sign-flip test over the per-task differences.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ from megatron_ext.eval.report import cost_axis
 from megatron_ext.eval.stats import fisher_exact, holm, paired_permutation
 
 ALPHA = 0.05
+EFFICIENCY = ("total_steps", "critical_steps", "wall_s", "total_tokens")
+
+
+def efficiency_pair(a: dict, b: dict, shared: list) -> dict:
+    """Per efficiency key over the shared tasks: both means, difference, ratio and the paired test's p."""
+    out = {}
+    for key in EFFICIENCY:
+        pairs = [(a["per_task"][i]["efficiency"].get(key), b["per_task"][i]["efficiency"].get(key)) for i in shared]
+        pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+        if not pairs:
+            continue
+        mean_a, mean_b = float(np.mean([x for x, _ in pairs])), float(np.mean([y for _, y in pairs]))
+        p, _ = paired_permutation([y - x for x, y in pairs])
+        out[key] = {"a": mean_a, "b": mean_b, "difference": mean_b - mean_a,
+                    "ratio": mean_b / mean_a if mean_a else None, "p": p, "tasks": len(pairs)}
+    return out
 
 
 def compare_pair(a: dict, b: dict) -> dict:
@@ -28,7 +48,9 @@ def compare_pair(a: dict, b: dict) -> dict:
     for i in shared:
         ta, tb = a["per_task"][i], b["per_task"][i]
         tasks[i] = {"a": ta["accuracy"], "b": tb["accuracy"], "difference": tb["accuracy"] - ta["accuracy"],
-                    "p": fisher_exact(sum(ta["correct"]), ta["passes"], sum(tb["correct"]), tb["passes"])}
+                    "p": fisher_exact(sum(ta["correct"]), ta["passes"], sum(tb["correct"]), tb["passes"]),
+                    **{f"{k}_{side}": t["efficiency"].get(k) for k in ("critical_steps", "wall_s")
+                       for side, t in (("a", ta), ("b", tb))}}
     for i, adjusted in zip(shared, holm([tasks[i]["p"] for i in shared])):
         tasks[i]["p_holm"] = adjusted
         tasks[i]["significant"] = adjusted < ALPHA
@@ -42,15 +64,22 @@ def compare_pair(a: dict, b: dict) -> dict:
             "difference": float(np.mean(differences)) if shared else None,
             "p": p, "test": method, "significant": p < ALPHA,
             "task_test": f"two-sided Fisher exact on pooled passes, Holm-adjusted over {len(shared)} tasks",
+            "efficiency": efficiency_pair(a, b, shared),
             "per_task": tasks}
 
 
 def compare(runs: list[tuple[str, dict]]) -> dict:
     base_name, base = runs[0]
     return {"baseline": base_name, "alpha": ALPHA,
-            "runs": {name: {k: s.get(k) for k in ("agent", "model", "accuracy", "accuracy_ci", "pass_at_k",
-                                                   "episodes", "passes")} for name, s in runs},
+            "runs": {name: {**{k: s.get(k) for k in ("agent", "model", "accuracy", "accuracy_ci", "pass_at_k",
+                                                      "episodes", "passes")},
+                            "agent_mode": s.get("agent_mode", "single"),
+                            **{k: s["efficiency"].get(k) for k in EFFICIENCY}} for name, s in runs},
             "against_baseline": {name: compare_pair(base, s) for name, s in runs[1:]}}
+
+
+def _arrow(a, b, digits: int) -> str:
+    return f"{fmt(a, digits)} -> {fmt(b, digits)}"
 
 
 def build(runs: list[tuple[str, dict]], result: dict) -> Document:
@@ -58,9 +87,11 @@ def build(runs: list[tuple[str, dict]], result: dict) -> Document:
     key, label = cost_axis(runs[0][1]) if all(s.get("prices_per_million_tokens") for _, s in runs) else \
         ("total_tokens", "mean tokens per episode (input + cached input + output)")
     doc.heading("Runs")
-    doc.table(["run", "agent", "accuracy", "95% CI (bootstrap over tasks)", "pass@1", "episodes", label, "wall s"],
-              [[n, s.get("agent", "-"), fmt(s["accuracy"]), interval(s["accuracy_ci"]),
+    doc.table(["run", "agent", "mode", "accuracy", "95% CI (bootstrap over tasks)", "pass@1", "episodes", label,
+               "total steps", "critical steps", "wall s"],
+              [[n, s.get("agent", "-"), s.get("agent_mode", "single"), fmt(s["accuracy"]), interval(s["accuracy_ci"]),
                 fmt(s["pass_at_k"].get("1")), s["episodes"], fmt(s["efficiency"][key], 4 if key == "cost" else 0),
+                fmt(s["efficiency"].get("total_steps"), 2), fmt(s["efficiency"].get("critical_steps"), 2),
                 fmt(s["efficiency"]["wall_s"], 1)] for n, s in runs])
     for name, pair in result["against_baseline"].items():
         doc.heading(f"{name} against {result['baseline']}")
@@ -71,10 +102,17 @@ def build(runs: list[tuple[str, dict]], result: dict) -> Document:
         if pair["only_in_a"] or pair["only_in_b"]:
             doc.paragraph(f"Not compared: only in {result['baseline']}: {pair['only_in_a'][:20]}; only in {name}: "
                           f"{pair['only_in_b'][:20]}.")
+        if pair["efficiency"]:
+            doc.table(["efficiency (mean over shared tasks)", result["baseline"], name, "difference", "ratio",
+                       "paired p"],
+                      [[k.replace("_", " "), fmt(e["a"], 2), fmt(e["b"], 2), f"{e['difference']:+,.2f}",
+                        fmt(e["ratio"], 3), f"{e['p']:.4g}"] for k, e in pair["efficiency"].items()])
         rows = sorted(pair["per_task"].items(), key=lambda kv: (kv[1]["p_holm"], -abs(kv[1]["difference"])))
-        doc.table(["task", result["baseline"], name, "difference", "Fisher p", "Holm p", "significant"],
+        doc.table(["task", result["baseline"], name, "difference", "Fisher p", "Holm p", "significant",
+                   "critical steps", "wall s"],
                   [[i, fmt(t["a"]), fmt(t["b"]), f"{t['difference']:+.3f}", f"{t['p']:.4g}", f"{t['p_holm']:.4g}",
-                    "yes" if t["significant"] else ""] for i, t in rows])
+                    "yes" if t["significant"] else "", _arrow(t["critical_steps_a"], t["critical_steps_b"], 1),
+                    _arrow(t["wall_s_a"], t["wall_s_b"], 1)] for i, t in rows])
     names = [n for n, _ in runs]
     doc.heading("Figures")
     doc.figure("accuracy", plots.accuracy_intervals(names, [s["accuracy"] for _, s in runs],

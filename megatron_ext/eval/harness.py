@@ -9,6 +9,11 @@ finished episode. Resuming (the same command again, also after kill -9) runs onl
 more --passes adds passes. An episode that could not run at all (a sandbox that failed to start, an agent server
 that could not be reached) writes nothing and is retried on the next resume. Episodes share nothing but the agent factory, so threads suffice: the work
 happens in sandboxed subprocesses and in the model server.
+
+With a `SwarmSetup` (--agent-mode swarm) each episode is an orchestrator's (megatron_ext/env/swarm.py
+run_swarm_episode): the record adds critical_steps, total_steps, stages, the swarm statistics and the sub-agents'
+transcripts, and its usage counts the sub-agents' tokens too (`usage_by_role` splits them). A sub-agent server
+that cannot be reached makes the episode unstored and retried, as the orchestrator's does.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ from megatron_ext.atomic import atomic_output
 from megatron_ext.env.episode import EpisodeConfig, approx_tokens, run_episode
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import TOOL_SCHEMAS
-from megatron_ext.eval.agents import AgentFactory
+from megatron_ext.eval.agents import AgentFactory, SwarmSetup
 from megatron_ext.eval.usage import episode_usage
 
 MANIFEST = "run.json"
 EPISODES = "episodes"
+
+
+# what a manifest written before a key existed meant by leaving it out
+PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None}
 
 
 class RunError(RuntimeError):
@@ -77,10 +86,11 @@ class RunDir:
             with atomic_output(self.manifest_path()) as f:
                 json.dump(manifest, f, indent=1)
             return
-        for key in ("agent", "model", "task_ids"):
-            if old.get(key) != manifest.get(key):
+        for key in ("agent", "model", "task_ids", "agent_mode", "swarm"):
+            if old.get(key, PINNED_DEFAULTS.get(key)) != manifest.get(key, PINNED_DEFAULTS.get(key)):
                 raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
-                               "resume it with the same --tasks/--agent/--model, or choose another --out")
+                               "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*, or choose "
+                               "another --out")
         if manifest["passes"] > old.get("passes", 0):
             with atomic_output(self.manifest_path()) as f:
                 json.dump({**old, "passes": manifest["passes"]}, f, indent=1)
@@ -124,8 +134,13 @@ class _Watched:
     """An agent whose failures to reach its server (no HTTP response: refused, reset, timed out) are remembered.
     EndpointAgent re-raises them as AgentError; the original stays the exception's __context__."""
 
-    def __init__(self, agent):
-        self.agent, self.unreachable = agent, None
+    def __init__(self, agent, seen: Optional[list] = None):
+        self.agent = agent
+        self.seen = [] if seen is None else seen  # shared by an orchestrator and its sub-agents
+
+    @property
+    def unreachable(self):
+        return self.seen[0] if self.seen else None
 
     def act(self, messages, tools):
         try:
@@ -133,22 +148,66 @@ class _Watched:
         except Exception as e:
             cause = e.__cause__ or e.__context__ or e
             if isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError):
-                self.unreachable = e
+                self.seen.append(e)
             raise
 
+    def close(self):
+        getattr(self.agent, "close", lambda: None)()
 
-def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig) -> dict:
+
+class _WatchedPolicy:
+    """A sub-agent policy whose agents report failures to reach their server into the episode's `seen` list."""
+
+    def __init__(self, policy, seen: list):
+        self.policy, self.seen = policy, seen
+
+    def agent(self, name: str):
+        return _Watched(self.policy.agent(name), self.seen)
+
+    def close(self):
+        pass  # the run closes its policies once (SwarmSetup.close)
+
+
+def swarm_usage(record: dict, count) -> dict:
+    """Tokens of a swarm episode by role: the orchestrator (with the swarm tools) and every sub-agent assignment
+    (with the tools it was allowed)."""
+    from megatron_ext.env.swarm import SWARM_TOOL_SCHEMAS
+
+    orchestrator = episode_usage(record["summarized_segments"] + [record["transcript"]], SWARM_TOOL_SCHEMAS, count)
+    subagents = dict.fromkeys(orchestrator, 0)
+    for run in record.get("subagents", []):
+        allowed = set(run.get("tools") or [t["function"]["name"] for t in TOOL_SCHEMAS])
+        usage = episode_usage([run["transcript"]], [t for t in TOOL_SCHEMAS if t["function"]["name"] in allowed],
+                              count)
+        for key, value in usage.items():
+            subagents[key] += value
+    return {"orchestrator": orchestrator, "subagents": subagents}
+
+
+def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig,
+            swarm: Optional[SwarmSetup] = None) -> dict:
     """One episode as the record the run stores: the episode's JSON plus pass index and token usage."""
     agent = factory(task, index)
     watched = _Watched(agent)
     try:
-        result = run_episode(task, watched, task_config(config, task))
+        if swarm is None:
+            result = run_episode(task, watched, task_config(config, task))
+        else:
+            from megatron_ext.env.swarm import run_swarm_episode
+
+            policy = _WatchedPolicy(swarm.policy_for(task), watched.seen)
+            result = run_swarm_episode(task, watched, policy, task_config(config, task), swarm.config)
     finally:
         agent.close()
     if watched.unreachable is not None:
         raise Unreachable(str(watched.unreachable))
     record = {"pass": index, **result.to_json()}
-    record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
+    if swarm is None:
+        record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
+    else:
+        record["usage_by_role"] = swarm_usage(record, config.count_tokens)
+        record["usage"] = {k: sum(u[k] for u in record["usage_by_role"].values())
+                           for k in record["usage_by_role"]["orchestrator"]}
     record["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return record
 
@@ -159,8 +218,10 @@ def _eta(seconds: float) -> str:
 
 
 def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int, concurrency: int = 1,
-              config: Optional[EpisodeConfig] = None, log: Optional[Callable[[str], None]] = None) -> dict:
-    """Run every (task, pass) without a result in `run`; returns {"ran", "skipped", "failed": [(task, pass, error)]}."""
+              config: Optional[EpisodeConfig] = None, log: Optional[Callable[[str], None]] = None,
+              swarm: Optional[SwarmSetup] = None) -> dict:
+    """Run every (task, pass) without a result in `run`; returns {"ran", "skipped", "failed": [(task, pass, error)]}.
+    With `swarm`, the agent is an orchestrator with sub-agents (module docstring)."""
     config = config or EpisodeConfig()
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     todo, correct_so_far, done_so_far = [], 0, 0
@@ -177,7 +238,7 @@ def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int
         log(f"resuming {run.root}: {skipped} of {total} episodes already finished, {len(todo)} to run")
     lock, start, failed, ran = threading.Lock(), time.monotonic(), [], 0
     with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="episode") as pool:
-        futures = {pool.submit(run_one, task, k, factory, config): (task, k) for task, k in todo}
+        futures = {pool.submit(run_one, task, k, factory, config, swarm): (task, k) for task, k in todo}
         try:
             for future in as_completed(futures):
                 task, k = futures[future]
@@ -196,9 +257,11 @@ def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int
                     correct_so_far += correct
                     per_episode = (time.monotonic() - start) / ran  # wall clock, episodes overlapping
                     remaining = len(todo) - ran - len(failed)
+                    steps = (f", {record['critical_steps']} critical of {record['total_steps']} steps"
+                             if "critical_steps" in record else "")
                     log(f"[{done_so_far}/{total}] {task.id} pass {k}: {record['status']}, "
                         f"{'correct' if correct else 'wrong'}, reward {record['reward'].get('total', 0.0):.3f}, "
-                        f"{record['wall_s']:.1f} s | accuracy so far {correct_so_far / done_so_far:.3f} | "
+                        f"{record['wall_s']:.1f} s{steps} | accuracy so far {correct_so_far / done_so_far:.3f} | "
                         f"eta {_eta(per_episode * remaining)}")
         except BaseException:
             for f in futures:

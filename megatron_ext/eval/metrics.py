@@ -10,10 +10,16 @@ An episode counts as correct when its `correctness` reward part is 1 (the hidden
 * code quality: the `style` part (new ruff diagnostics on changed lines), the agent's diff size (added plus
   removed lines, grading.diff_lines) and its ratio to the reference solution's (metadata.reference_diff_lines);
 * efficiency: tokens by category (usage.py: input, cached input, output; the episode's thinking, tool-call,
-  tool-output and message tokens), tool calls, turns, wall time, cost under the given prices, and agent-swarm
-  critical steps where episodes report them (`critical_steps`, next to total turns);
+  tool-output and message tokens), tool calls, turns, wall time, cost under the given prices, and steps: total
+  steps and critical steps (the latency in model turns; megatron_ext/env/swarm.py). A single agent's are both its
+  turns; a swarm episode's (--agent-mode swarm) come from its record, and its tokens include the sub-agents';
+* agent swarm (episodes that report `swarm`): sub-agents assigned, peak and mean concurrency, sub-agent failures
+  and timeouts, merge conflicts (means per episode);
 * interaction: the `communication` part, the penalties (invalid/repeated calls, unfinished todos, forbidden edits)
   and the length penalty.
+
+The mean reward is the task reward: for a swarm episode its `r_task`, without the PARL shaping terms (r_parallel,
+r_finish) that only training adds, so that swarm and single-agent runs compare on the same scale.
 """
 
 from __future__ import annotations
@@ -39,15 +45,29 @@ def correct(record: dict) -> bool:
     return record["reward"].get("correctness", 0.0) == 1.0
 
 
-def critical_steps(record: dict) -> Optional[float]:
-    value = record.get("critical_steps", record.get("counts", {}).get("critical_steps"))
+STEP_KEYS = ("total_steps", "critical_steps")
+# SwarmResult.swarm statistics averaged per episode (reported for runs whose episodes have them)
+SWARM_KEYS = ("subagents_assigned", "assignments", "finished", "failures", "timeouts", "peak_concurrency",
+              "mean_concurrency", "merges", "conflicts")
+EFFICIENCY_KEYS = (*CATEGORIES, *COUNT_CATEGORIES, "total_tokens", "tool_calls", "turns", *STEP_KEYS, "wall_s",
+                   "cost")
+
+
+def _number(value) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def steps(record: dict) -> dict:
+    """{"total_steps", "critical_steps"}: a swarm episode's own; a single agent's are both its turns."""
+    turns = float(record["counts"].get("turns", 0))
+    return {k: v if (v := _number(record.get(k))) is not None else turns for k in STEP_KEYS}
 
 
 def episode_row(record: dict, prices: Prices) -> dict:
     """The per-episode numbers every aggregate is a mean of."""
     usage, counts, reward = record["usage"], record["counts"], record["reward"]
-    row = {"correct": float(correct(record)), "reward": float(reward.get("total", 0.0)),
+    task_reward = reward.get("r_task", reward.get("total", 0.0))
+    row = {"correct": float(correct(record)), "reward": float(task_reward),
            "style": float(reward.get("style", 0.0)), "tests_fraction": float(reward.get("tests_fraction", 0.0)),
            "diff_lines": float(record["grading"].get("diff_lines", 0)),
            "tool_calls": float(counts.get("tool_calls", 0)), "turns": float(counts.get("turns", 0)),
@@ -55,10 +75,16 @@ def episode_row(record: dict, prices: Prices) -> dict:
            **{c: float(usage[c]) for c in CATEGORIES}, **{c: float(counts.get(c, 0)) for c in COUNT_CATEGORIES},
            **{p: float(reward.get(p, 0.0)) for p in INTERACTION_PARTS}}
     row["total_tokens"] = sum(row[c] for c in CATEGORIES)
-    steps = critical_steps(record)
-    if steps is not None:
-        row["critical_steps"] = steps
+    row.update(steps(record))
+    if isinstance(record.get("swarm"), dict):
+        row.update({f"swarm_{k}": float(record["swarm"].get(k, 0)) for k in SWARM_KEYS})
     return row
+
+
+def swarm_means(rows: list[dict]) -> Optional[dict]:
+    """Means of the swarm statistics over the episodes that have them (None when none has)."""
+    rows = [r for r in rows if "swarm_assignments" in r]
+    return {k: _mean(rows, f"swarm_{k}") for k in SWARM_KEYS} if rows else None
 
 
 def _mean(rows: list[dict], key: str) -> Optional[float]:
@@ -80,12 +106,11 @@ def task_summary(task: Task, records: list[dict], prices: Prices) -> dict:
            "statuses": dict(Counter(r["status"] for r in records)),
            "code_quality": {"style": _mean(rows, "style"), "diff_lines": diff, "reference_diff_lines": reference,
                             "diff_to_reference": diff / reference if reference and diff is not None else None},
-           "efficiency": {k: _mean(rows, k) for k in (*CATEGORIES, *COUNT_CATEGORIES, "total_tokens", "tool_calls",
-                                                      "turns", "critical_steps", "wall_s", "cost")},
+           "efficiency": {k: _mean(rows, k) for k in EFFICIENCY_KEYS},
            "interaction": {p: _mean(rows, p) for p in INTERACTION_PARTS},
            "instruction_chars": len(task.instruction)}
-    if out["efficiency"]["critical_steps"] is None:
-        del out["efficiency"]["critical_steps"]
+    if (swarm := swarm_means(rows)) is not None:
+        out["swarm"] = swarm
     return out
 
 
@@ -112,10 +137,7 @@ def summarise(tasks: list[Task], records: list[dict], passes: int, prices: Optio
     total_correct = int(sum(r["correct"] for r in rows))
     full = min((per_task[i]["passes"] for i in ran), default=0)
     rewards = [per_task[i]["best_reward"] for i in ran]
-    efficiency = {k: _mean(rows, k) for k in (*CATEGORIES, *COUNT_CATEGORIES, "total_tokens", "tool_calls", "turns",
-                                              "critical_steps", "wall_s", "cost")}
-    if efficiency["critical_steps"] is None:
-        del efficiency["critical_steps"]
+    efficiency = {k: _mean(rows, k) for k in EFFICIENCY_KEYS}
     efficiency["cost_total"] = float(sum(r["cost"] for r in rows))
     efficiency["wall_s_total"] = float(sum(r["wall_s"] for r in rows))
     reference_ratios = [per_task[i]["code_quality"]["diff_to_reference"] for i in ran
@@ -140,6 +162,7 @@ def summarise(tasks: list[Task], records: list[dict], passes: int, prices: Optio
                          "diff_to_reference_median": median(reference_ratios)},
         "efficiency": efficiency,
         "interaction": {p: _mean(rows, p) for p in INTERACTION_PARTS},
+        **({"swarm": swarm} if (swarm := swarm_means(rows)) is not None else {}),
         "suite": suite_statistics(tasks),
         "prices_per_million_tokens": prices.to_json() if prices.given else None,
         "token_counter": token_counter,

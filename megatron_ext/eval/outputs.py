@@ -23,10 +23,12 @@ def publish(run: RunDir, tasks: list[Task], passes: int, prices: Prices, token_c
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     manifest = run.manifest() or {}
     summary = summarise(tasks, records, passes, prices, token_counter)
-    summary = {**{k: manifest.get(k) for k in ("suite_spec", "agent", "model")}, **summary}
+    summary = {**{k: manifest.get(k) for k in ("suite_spec", "agent", "model")},
+               "agent_mode": manifest.get("agent_mode", "single"), "swarm_setup": manifest.get("swarm"), **summary}
     with atomic_output(os.path.join(run.root, "summary.json")) as f:
         json.dump(summary, f, indent=1)
-    title = f"Evaluation: {manifest.get('agent', '?')} on {manifest.get('suite_spec', '?')}"
+    mode = " (agent swarm)" if summary["agent_mode"] == "swarm" else ""
+    title = f"Evaluation: {manifest.get('agent', '?')}{mode} on {manifest.get('suite_spec', '?')}"
     report.build(summary, title).write(run.root, "report")
     return summary
 

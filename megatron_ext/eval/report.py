@@ -1,5 +1,6 @@
 """report.md / report.html of one run, from its summary.json (metrics.py): the overall numbers, the suite's
-shape next to CursorBench's, pass@k, code quality, efficiency, interaction, a per-task table, and three figures:
+shape next to CursorBench's, pass@k, code quality, efficiency (with total and critical steps and wall-clock),
+interaction, the agent swarm's statistics (swarm runs), a per-task table, and three figures:
 accuracy with intervals, accuracy against tokens (or cost, when prices were given) with its Pareto frontier, and
 the task x pass correctness heatmap."""
 
@@ -44,9 +45,12 @@ def overview_rows(summary: dict) -> list:
 
 def build(summary: dict, title: str) -> Document:
     doc = Document(title)
+    setup = summary.get("swarm_setup")
+    mode = (f"; agent swarm (sub-agents: {setup.get('subagent_policy')}, at most {setup.get('max_subagents')})"
+            if summary.get("agent_mode") == "swarm" and setup else "")
     doc.paragraph(f"Suite: {summary.get('suite_spec', '-')}; agent: {summary.get('agent', '-')}"
-                  f"{'; model: ' + summary['model'] if summary.get('model') else ''}. Token counts: "
-                  f"{summary['token_counter']}.")
+                  f"{'; model: ' + summary['model'] if summary.get('model') else ''}{mode}. Token counts: "
+                  f"{summary['token_counter']}" + (", orchestrator and sub-agents together" if mode else "") + ".")
     doc.heading("Overview")
     doc.table(["metric", "value", "how"], overview_rows(summary))
 
@@ -70,24 +74,29 @@ def build(summary: dict, title: str) -> Document:
             ["diff size / reference diff size, median over tasks", fmt(quality["diff_to_reference_median"])]]
     rows += [[f"tokens: {c.replace('_tokens', '').replace('_', ' ')}", fmt(eff[c], 1)]
              for c in (*CATEGORIES, "thinking_tokens", "tool_call_tokens", "tool_output_tokens", "message_tokens")]
-    rows += [["tool calls", fmt(eff["tool_calls"], 2)], ["turns (total steps)", fmt(eff["turns"], 2)]]
-    if "critical_steps" in eff:
-        rows.append(["critical steps (agent swarm)", fmt(eff["critical_steps"], 2)])
-    rows += [["wall time, s", fmt(eff["wall_s"], 2)], ["cost", fmt(eff["cost"], 5)]]
+    rows += [["tool calls", fmt(eff["tool_calls"], 2)], ["turns (of the agent or orchestrator)", fmt(eff["turns"], 2)],
+             ["total steps (every model turn, sub-agents included)", fmt(eff.get("total_steps"), 2)],
+             ["critical steps (per stage: orchestrator turns + longest sub-agent)", fmt(eff.get("critical_steps"), 2)],
+             ["wall-clock per episode, s (grading included)", fmt(eff["wall_s"], 2)],
+             ["wall-clock, all episodes summed, s", fmt(eff.get("wall_s_total"), 1)], ["cost", fmt(eff["cost"], 5)]]
     rows += [[f"interaction: {p.replace('_', ' ')}", fmt(v)] for p, v in inter.items()]
     doc.table(["metric", "value"], rows)
+    if summary.get("swarm"):
+        doc.heading("Agent swarm (means per episode)")
+        doc.table(["statistic", "value"], [[k.replace("_", " "), fmt(v, 2)] for k, v in summary["swarm"].items()])
 
     per_task = summary["per_task"]
     ids = [i for i, t in per_task.items() if t["passes"]]
     key, label = cost_axis(summary)
     doc.heading("Per task")
     doc.table(["task", "passes", "accuracy", "Wilson 95%", f"pass@{summary['passes']}", "best reward",
-               "diff lines", "ref. diff", "turns", "tokens", "wall s"],
+               "diff lines", "ref. diff", "total steps", "critical steps", "tokens", "wall s"],
               [[i, t["passes"], fmt(t["accuracy"]), interval(t["accuracy_ci"]),
                 fmt(t["pass_at_k"].get(str(t["passes"]))), fmt(t["best_reward"]),
                 fmt(t["code_quality"]["diff_lines"], 1), fmt(t["code_quality"]["reference_diff_lines"]),
-                fmt(t["efficiency"]["turns"], 1), fmt(t["efficiency"]["total_tokens"], 0),
-                fmt(t["efficiency"]["wall_s"], 1)] for i, t in per_task.items()])
+                fmt(t["efficiency"].get("total_steps"), 1), fmt(t["efficiency"].get("critical_steps"), 1),
+                fmt(t["efficiency"]["total_tokens"], 0), fmt(t["efficiency"]["wall_s"], 1)]
+               for i, t in per_task.items()])
 
     if ids:
         doc.heading("Figures")

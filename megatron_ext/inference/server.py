@@ -1,9 +1,11 @@
 """An OpenAI-compatible HTTP endpoint over the inference engine, so RL workers and the evaluation harness talk to
 our model exactly as they would to vLLM or SGLang.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (prompt as text or token ids; returns
-token ids and, with ``logprobs``, per-token log-probabilities), ``POST /v1/chat/completions`` (messages rendered
-with the tokenizer's chat template, when one is given), ``POST /v1/reload`` ({"load": CKPT}: new weights without a
+Endpoints: ``GET /health``, ``GET /v1/models`` (with ``max_model_len``, the context length, as vLLM reports it),
+``POST /v1/completions`` (prompt as text or token ids; returns token ids and, with ``logprobs``, per-token
+log-probabilities), ``POST /v1/chat/completions`` (messages rendered with the tokenizer's chat template, when one
+is given; a request that does not fit the context gets a 400 with ``prompt_tokens`` and ``max_model_len``),
+``POST /v1/reload`` ({"load": CKPT}: new weights without a
 restart, as the RL trainer publishes them; validated first, the previous weights keep serving if it fails).
 SGLang's native shapes (``POST /generate``, ``POST /update_weights_from_disk``, ``GET /get_model_info``, ``GET
 /health_generate``; inference/native.py) serve clients written for SGLang deployments (rl/remote.py).
@@ -47,9 +49,9 @@ MAX_N = 64  # samples per request
 
 
 class RequestError(ValueError):
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, fields: Optional[dict] = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.fields = status, fields or {}
 
 
 def _int(body: dict, key: str, default, lo=None, hi=None):
@@ -198,11 +200,31 @@ class ModelService:
             raise RequestError("'speculative' needs a model with MTP layers (--mtp-num-layers >= 1)")
         if n > self.max_batch_rows:
             raise RequestError(f"'n' is at most {self.max_batch_rows} on this server, got {n}")
+        self.check_context(len(prompt_ids), params.max_tokens)
         try:
             self.engine.check_request([prompt_ids], [params])
         except ValueError as e:
             raise RequestError(str(e)) from None
         return Job(kind, prompt_ids, params, n, speculative, stream, bool(logprobs))
+
+    @property
+    def context_length(self) -> int:
+        """The longest prompt + generation the model serves (GET /v1/models reports it as max_model_len)."""
+        return self.engine.model.max_sequence_length
+
+    def check_context(self, prompt_tokens: int, max_tokens: int):
+        """A request that does not fit the context gets a 400 naming both numbers, and the fields prompt_tokens
+        and max_model_len, so that a client can ask again with max_tokens = max_model_len - prompt_tokens."""
+        context = self.context_length
+        if prompt_tokens + max_tokens <= context:
+            return
+        fix = (f"at most {context - prompt_tokens} tokens fit: lower max_tokens" if prompt_tokens < context else
+               "the prompt alone fills it: shorten the messages, or serve with a longer --inference-max-seq-length")
+        total = prompt_tokens + max_tokens
+        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                           f"exceeds the model's context of {context} tokens; {fix}",
+                           fields={"reason": "context_length_exceeded", "param": "max_tokens",
+                                   "prompt_tokens": prompt_tokens, "max_model_len": context})
 
     def parse_completion(self, body: dict) -> Job:
         _check_unicode(body, "body")
@@ -484,9 +506,9 @@ def create_app(service: ModelService):
     """The FastAPI application serving `service`."""
     app = FastAPI(title=f"megatron_ext serving {service.name}", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                            status_code=status)
+    def error(status: int, message: str, fields: Optional[dict] = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status,
+                                       **(fields or {})}}, status_code=status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -508,7 +530,7 @@ def create_app(service: ModelService):
         try:
             job = parse(await body_of(request))
         except RequestError as e:
-            return error(e.status, str(e))
+            return error(e.status, str(e), e.fields)
         if job.stream:
             stream = _Stream(service, job, asyncio.get_running_loop())
             service.submit(job)
@@ -527,7 +549,8 @@ def create_app(service: ModelService):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.name, "object": "model"}]}
+        return {"object": "list", "data": [{"id": service.name, "object": "model",
+                                            "max_model_len": service.context_length}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -103,6 +103,32 @@ def configure(args: argparse.Namespace, arch, previous: Optional[object]):
     return arch.replace(rope_type="yarn", rotary_scaling_factor=factor, max_position_embeddings=max_positions)
 
 
+def serving_context(arch, length: int):
+    """The architecture to serve with a context of `length` tokens (tools/serve.py --inference-max-seq-length), and
+    a line saying what changed. Shorter than trained: only the limit. Longer: only for YaRN models, by YaRN's rule
+    (as `configure` extends): the factor grows so that original_max_position_embeddings x factor covers `length`,
+    which also raises the attention scale (`attention_scale_factor`). The model never trained at the new factor, so
+    positions inside the trained context see slightly changed rotary frequencies: YaRN's inference-time extension,
+    sound for modest factors; measure it with codebase NLL (tools/run_eval.py nll) at both settings when it
+    matters. A plain-RoPE model is refused: positions past its trained context were never seen."""
+    if length < 1:
+        raise StageError(f"--inference-max-seq-length must be >= 1, got {length}")
+    trained = arch.max_position_embeddings
+    if length <= trained:
+        return arch.replace(max_position_embeddings=length), f"serving context {length} tokens (trained: {trained})"
+    if arch.rope_type != "yarn":
+        raise StageError(f"--inference-max-seq-length {length} exceeds the model's trained context of {trained} "
+                         "tokens and its rotary embedding is plain RoPE (--position-embedding-type rope): positions "
+                         "past the trained context were never seen; serve at most that, or extend the model first "
+                         "(--stage extend)")
+    original, factor = arch.original_max_position_embeddings, arch.rotary_scaling_factor
+    new_factor = max(factor, length / original)
+    out = arch.replace(max_position_embeddings=length, rotary_scaling_factor=new_factor)
+    return out, (f"serving context {trained} -> {length} tokens: YaRN factor {factor:g} -> {new_factor:g} (original "
+                 f"{original}), attention scale x{attention_scale_factor(arch):.4f} -> "
+                 f"x{attention_scale_factor(out):.4f}; the model was trained at factor {factor:g}")
+
+
 def attention_scale_factor(arch) -> float:
     """YaRN's multiplier on MLA's softmax scale: (0.1 mscale_all_dim ln(factor) + 1)^2 (1 when factor <= 1)."""
     if arch.rope_type != "yarn" or arch.rotary_scaling_factor <= 1:

@@ -1,11 +1,15 @@
 """A tiny evaluation suite for the eval tests: the demo calc repository (hidden tests outside it) under several
-task ids, each with its own reference diff size, and script-agent folders (oracle, no-op)."""
+task ids, each with its own reference diff size, and script-agent folders (oracle, no-op); a headless-chromium
+check that a report page's images load."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
+import subprocess
+import tempfile
 
 from megatron_ext.env.demo import ORACLE, make_task
 
@@ -45,3 +49,22 @@ def run_eval_main():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
+
+
+def chromium_image_sizes(html_path: str) -> list[dict]:
+    """Load the page in headless chromium and read every image's natural size (a script added to a copy)."""
+    probe = ("<script>window.addEventListener('load', () => { const p = document.createElement('pre'); "
+             "p.id = 'image-check'; p.textContent = JSON.stringify([...document.images].map(i => "
+             "({id: i.id, w: i.naturalWidth, h: i.naturalHeight}))); document.body.appendChild(p); });</script>")
+    broken = '<img id="broken-control" src="data:image/png;base64,AAAA">'  # must come back 0 x 0
+    with tempfile.TemporaryDirectory() as folder:
+        page = os.path.join(folder, "page.html")
+        with open(page, "w") as f:
+            f.write(open(html_path).read().replace("</body>", broken + probe + "</body>"))
+        out = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                              "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                              "--disable-sync", f"--user-data-dir={folder}/profile", "--virtual-time-budget=10000",
+                              "--dump-dom", f"file://{page}"], capture_output=True, text=True, timeout=180)
+    found = re.search(r'<pre id="image-check">(.*?)</pre>', out.stdout, re.S)
+    assert found, f"chromium printed no image check: {out.stdout[-1000:]} {out.stderr[-2000:]}"
+    return json.loads(found.group(1).replace("&quot;", '"'))

@@ -25,9 +25,10 @@ def engine():
 
 
 @contextlib.contextmanager
-def served_chat_model(directory: str):
+def served_chat_model(directory: str, context: int = 8192):
     """(url, tokenizer, tokenizer dir): a random tiny model with a 1024-id tokenizer trained on the standard
-    library behind tools/serve.py's HTTP service (uvicorn in this process, a free loopback port)."""
+    library behind tools/serve.py's HTTP service (uvicorn in this process, a free loopback port); `context`: its
+    context length."""
     from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.inference.server import ModelService, serve
     from tests.unit.data_fixtures import small_corpus, trained_tokenizer
@@ -35,7 +36,7 @@ def served_chat_model(directory: str):
     tokenizer_dir = trained_tokenizer(directory, small_corpus(directory), vocab_size=1024)
     tokenizer = build_tokenizer(None, tokenizer_dir)
     args = parse_args(["--model", "tiny", "--mock-data", "--vocab-size", str(tokenizer.vocab_size),
-                       "--seq-length", "8192", "--max-position-embeddings", "8192"], world_size=1)
+                       "--seq-length", str(context), "--max-position-embeddings", str(context)], world_size=1)
     initialize_distributed(args)
     try:
         model = build_model(args, wrap_ddp=False)

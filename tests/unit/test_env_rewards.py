@@ -64,9 +64,10 @@ def test_score_by_hand():
     assert s.length_x == 380
     assert s.parts == pytest.approx({"correctness": 0.0, "tests_fraction": 0.75, "style": 1.0, "communication": 1.0,
                                      "invalid_calls": 2.0, "unfinished_todos": 1.0, "repeated_calls": 1.0,
-                                     "forbidden_edits": 1.0, "length": 238.178046})
-    # 0 + 0 * 0.75 - 0.02 * 1 + 0.1 * 1 - 0.02 * 2 - 0.02 * 1 - 0.01 * 1 - 0.5 * 1 - 0.01 * 238.178046
-    assert s.total == pytest.approx(-0.02 + 0.1 - 0.04 - 0.02 - 0.01 - 0.5 - 2.38178046)
+                                     "forbidden_edits": 1.0, "length": 184.255429})
+    # C(380) at k = 0.01, q = 0.8: (4.8 ** 0.2 - 1) / 0.002 = 184.255429
+    # 0 + 0 * 0.75 - 0.02 * 1 + 0.1 * 1 - 0.02 * 2 - 0.02 * 1 - 0.01 * 1 - 0.5 * 1 - 0.0003 * 184.255429
+    assert s.total == pytest.approx(-0.02 + 0.1 - 0.04 - 0.02 - 0.01 - 0.5 - 0.0552766287)
 
 
 def test_weight_file_reloads_and_logs(tmp_path):

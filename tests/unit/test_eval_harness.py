@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -26,7 +24,7 @@ from megatron_ext.eval.harness import RunDir, RunError, run_suite
 from megatron_ext.eval.outputs import publish
 from megatron_ext.eval.tasks import load_suite
 from megatron_ext.eval.usage import Prices
-from tests.unit.eval_fixtures import ROOT, make_suite, oracle_dir, run_eval_main, script_dir
+from tests.unit.eval_fixtures import ROOT, chromium_image_sizes, make_suite, oracle_dir, run_eval_main, script_dir
 
 RUN_EVAL = os.path.join(ROOT, "tools", "run_eval.py")
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -81,7 +79,8 @@ def test_oracle_scores_one_with_every_metric(runs):
         "median_reference_diff_lines": 181, "median_instruction_chars": 390}
     assert s["interaction"]["communication"] == 1.0 and s["interaction"]["invalid_calls"] == 0.0
     eff = s["efficiency"]
-    assert eff["tool_calls"] == len(ORACLE) and eff["turns"] == len(ORACLE) and "critical_steps" not in eff
+    assert eff["tool_calls"] == len(ORACLE) and eff["turns"] == len(ORACLE)
+    assert eff["total_steps"] == eff["critical_steps"] == len(ORACLE) and "swarm" not in s  # a single agent
     assert eff["output_tokens"] == eff["tool_call_tokens"] > 0 and eff["cached_input_tokens"] > eff["input_tokens"]
     assert eff["cost"] == pytest.approx((2 * (eff["input_tokens"] + eff["cached_input_tokens"]) +
                                          8 * eff["output_tokens"]) / 1e6)
@@ -223,30 +222,11 @@ def test_bad_inputs_are_named(tmp_path, capsys):
     assert "no summary.json" in capsys.readouterr().err
 
 
-def _chromium_image_sizes(html_path: str) -> list[dict]:
-    """Load the page in headless chromium and read every image's natural size (a script added to a copy)."""
-    probe = ("<script>window.addEventListener('load', () => { const p = document.createElement('pre'); "
-             "p.id = 'image-check'; p.textContent = JSON.stringify([...document.images].map(i => "
-             "({id: i.id, w: i.naturalWidth, h: i.naturalHeight}))); document.body.appendChild(p); });</script>")
-    broken = '<img id="broken-control" src="data:image/png;base64,AAAA">'  # must come back 0 x 0
-    with tempfile.TemporaryDirectory() as folder:
-        page = os.path.join(folder, "page.html")
-        with open(page, "w") as f:
-            f.write(open(html_path).read().replace("</body>", broken + probe + "</body>"))
-        out = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                              "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                              "--disable-sync", f"--user-data-dir={folder}/profile", "--virtual-time-budget=10000",
-                              "--dump-dom", f"file://{page}"], capture_output=True, text=True, timeout=180)
-    found = re.search(r'<pre id="image-check">(.*?)</pre>', out.stdout, re.S)
-    assert found, f"chromium printed no image check: {out.stdout[-1000:]} {out.stderr[-2000:]}"
-    return json.loads(found.group(1).replace("&quot;", '"'))
-
-
 @pytest.mark.skipif(shutil.which("chromium") is None,
                     reason="Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
 def test_report_and_comparison_render_in_a_browser(runs, capsys):
     root = runs["root"]
-    sizes = {i["id"]: (i["w"], i["h"]) for i in _chromium_image_sizes(os.path.join(root, "oracle_run", "report.html"))}
+    sizes = {i["id"]: (i["w"], i["h"]) for i in chromium_image_sizes(os.path.join(root, "oracle_run", "report.html"))}
     assert sizes.pop("broken-control") == (0, 0)
     assert set(sizes) == {"fig-accuracy", "fig-pareto", "fig-heatmap"} and all(w > 200 and h > 100
                                                                                 for w, h in sizes.values())
@@ -260,5 +240,5 @@ def test_report_and_comparison_render_in_a_browser(runs, capsys):
     assert pair["per_task"]["add-a"]["p"] == pytest.approx(1 / 3)  # Fisher: [[2, 0], [0, 2]]
     assert pair["per_task"]["add-a"]["p_holm"] == pytest.approx(2 / 3)
     assert "| add-a | 1.000 | 0.000 | -1.000 | 0.3333 | 0.6667 |  |" in printed
-    sizes = {i["id"]: i["w"] for i in _chromium_image_sizes(os.path.join(out, "compare.html"))}
+    sizes = {i["id"]: i["w"] for i in chromium_image_sizes(os.path.join(out, "compare.html"))}
     assert all(sizes[f"fig-{n}"] > 200 for n in ("accuracy", "pareto", "heatmap"))

@@ -98,8 +98,10 @@ def test_summary_of_synthetic_episodes_reports_swarm_steps_and_partial_runs():
     assert s["accuracy"] == pytest.approx((0.5 + 1.0) / 2)
     a = s["per_task"]["a"]
     assert a["pass_indices"] == [0, 2] and a["correct"] == [1, 0] and a["code_quality"]["diff_to_reference"] == 1.0
-    assert a["efficiency"]["critical_steps"] == 3.0 and "critical_steps" not in s["per_task"]["b"]["efficiency"]
-    assert s["efficiency"]["critical_steps"] == 3.0 and s["efficiency"]["turns"] == pytest.approx(11 / 3)
+    # a single-agent episode (b, no critical_steps of its own): critical steps = total steps = its turns
+    assert a["efficiency"]["critical_steps"] == 3.0 and s["per_task"]["b"]["efficiency"]["critical_steps"] == 5.0
+    assert s["per_task"]["b"]["efficiency"]["total_steps"] == 5.0 and "swarm" not in s
+    assert s["efficiency"]["critical_steps"] == s["efficiency"]["turns"] == pytest.approx(11 / 3)
     assert s["efficiency"]["cost"] == 16.0 and s["efficiency"]["cost_total"] == 48.0
     assert s["pass_at_k"] == {"1": 0.75}  # task b has one pass: pass@k only up to the passes every task has
     assert s["per_task"]["c"]["passes"] == 0 and s["per_task"]["c"]["accuracy"] is None
@@ -107,6 +109,7 @@ def test_summary_of_synthetic_episodes_reports_swarm_steps_and_partial_runs():
     from megatron_ext.eval.report import build
 
     md = build(s, "partial run").markdown("figs")
-    assert "| critical steps (agent swarm) | 3.00 |" in md and "| turns (total steps) | 3.67 |" in md
+    assert "| critical steps (per stage: orchestrator turns + longest sub-agent) | 3.67 |" in md
+    assert "| turns (of the agent or orchestrator) | 3.67 |" in md
     assert "| c | 0 | - | - | - |" in md and "complete: no" in md
     assert md.count("](figs/") == 3

@@ -20,6 +20,7 @@ from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.env.arguments import add_env_args, add_swarm_args
 from megatron_ext.env.demo import TWO_PART_ORCHESTRATOR, TWO_PART_SUBAGENTS, make_two_part_task
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS
+from megatron_ext.env.episode import ContextExceeded
 from megatron_ext.env.swarm import SWARM_SYSTEM_PROMPT, SWARM_TOOL_SCHEMAS, EnginePolicy
 from megatron_ext.rl.coding import read_coding_tasks
 from megatron_ext.rl.rollout import EpisodeConfig, Sampling, run_groups
@@ -109,11 +110,13 @@ def test_orchestrator_rollouts_train_only_its_turns_and_carry_the_annealed_parl_
 class FakeEngine:
     """Stands in for an InferenceEngine: answers every prompt with one rendered tool call; records concurrency."""
 
-    def __init__(self, reply_ids):
+    def __init__(self, reply_ids, context: int = 4096):
         self.reply_ids, self.weights_version, self.active, self.most = reply_ids, 3, 0, 0
-        self.prompts, self.guard = [], threading.Lock()
+        self.prompts, self.guard, self.params = [], threading.Lock(), []
+        self.model = SimpleNamespace(max_sequence_length=context)
 
     def generate(self, prompts, params):
+        self.params.append(params)
         with self.guard:
             self.active += 1
             self.most = max(self.most, self.active)
@@ -145,6 +148,13 @@ def test_pinned_engine_policy_renders_parses_and_serialises_turns(tokenizer_dir)
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"path": "kit/area.py"}
     policy.pin(None, 7)
     assert policy.version == 7
+    # turns fit the engine's context: max_tokens clamped to the room left; no room ends the sub-agent's episode
+    assert engine.params[-1].max_tokens == 64
+    short = EnginePolicy(FakeEngine(reply, context=len(prompt) + 10), tokenizer, max_tokens=64)
+    short.act(base, SWARM_TOOL_SCHEMAS[:8])
+    assert short.engine.params[-1].max_tokens == 10
+    with pytest.raises(ContextExceeded, match="fills the model's context"):
+        EnginePolicy(FakeEngine(reply, context=len(prompt)), tokenizer).act(base, SWARM_TOOL_SCHEMAS[:8])
 
 
 def test_swarm_flags_fail_early_and_name_the_flag(tmp_path, tokenizer_dir):

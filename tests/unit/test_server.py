@@ -60,6 +60,18 @@ def test_health_and_models(server):
     assert _call(url, "/health") == (200, {"status": "ok", "weights_version": 0})
     status, body = _call(url, "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny"
+    assert body["data"][0]["max_model_len"] == 1024  # the tiny preset's context, as vLLM names it
+
+
+def test_a_request_past_the_context_names_the_room_left(server):
+    url, _ = server
+    status, body = _call(url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1022})
+    error = body["error"]
+    assert status == 400 and error["reason"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert (error["prompt_tokens"], error["max_model_len"]) == (3, 1024)
+    assert "prompt (3 tokens) + max_tokens (1022) = 1025 exceeds the model's context of 1024 tokens; at most " \
+           "1021 tokens fit" in error["message"]
+    assert _completion(url, prompt=[1, 2, 3], max_tokens=1021, stop_token_ids=list(range(1024)))  # fits: stops at once
 
 
 def test_completion_with_token_ids_and_logprobs(server):
