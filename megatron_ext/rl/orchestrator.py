@@ -240,13 +240,13 @@ class Orchestrator:
     def _lost(self, f: _InFlight, error: WorkerLost):
         if error.fatal:
             raise RuntimeError(f"rollout worker {f.worker} failed and the run cannot continue: {error}")
-        self._replace(f.worker, f"worker {f.worker} lost ({error})")
+        self._replace(f.worker, f"worker {f.worker} lost ({error})", f.slots)
 
-    def _replace(self, worker: int, reason: str):
-        """Requeue every prompt the worker held (at the queue's front, in slot order), then replace it."""
-        mine = sorted((h for h, f in self.inflight.items() if f.worker == worker),
-                      key=lambda h: self.inflight[h].request.request_id)
-        slots = [s for h in mine for s in self.inflight.pop(h).slots]
+    def _replace(self, worker: int, reason: str, failed: tuple = ()):
+        """Requeue every prompt the worker held (`failed`: those of the request that reported the loss) at the
+        queue's front, in slot order, then replace the worker."""
+        mine = [h for h, f in self.inflight.items() if f.worker == worker]
+        slots = sorted(list(failed) + [s for h in mine for s in self.inflight.pop(h).slots])
         self.queue.extendleft(reversed(slots))
         self.restarts += 1
         self.stats.requeued += len(slots)
