@@ -77,6 +77,10 @@ class RolloutResult:
     swap_s: float = 0.0
 
 
+class WorkerFailure(RuntimeError):
+    """The rollout fleet cannot go on (Ray did not start, out of memory, workers keep dying): the run stops."""
+
+
 class WorkerLost(RuntimeError):
     """A worker process died or was killed (its requests are requeued); `fatal` when retrying cannot help
     (Ray's memory monitor killed it: the run stops with the message)."""
@@ -239,7 +243,7 @@ class Orchestrator:
 
     def _lost(self, f: _InFlight, error: WorkerLost):
         if error.fatal:
-            raise RuntimeError(f"rollout worker {f.worker} failed and the run cannot continue: {error}")
+            raise WorkerFailure(f"rollout worker {f.worker} failed and the run cannot continue: {error}")
         self._replace(f.worker, f"worker {f.worker} lost ({error})", f.slots)
 
     def _replace(self, worker: int, reason: str, failed: tuple = ()):
@@ -252,7 +256,7 @@ class Orchestrator:
         self.stats.requeued += len(slots)
         self.stats.restarts += 1
         if self.restarts > self.cfg.max_worker_restarts:
-            raise RuntimeError(f"{reason}; {self.restarts} rollout workers replaced in this run (more than "
+            raise WorkerFailure(f"{reason}; {self.restarts} rollout workers replaced in this run (more than "
                                f"{self.cfg.max_worker_restarts}): stopping. Look at the workers' logs (Ray: "
                                "/tmp/ray/session_latest/logs) for why they die")
         self.log(f"{reason}: {len(slots)} prompt(s) requeued, worker restarted", flush=True)
