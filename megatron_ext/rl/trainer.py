@@ -285,6 +285,8 @@ class RLTrainer:
         timers, fleet_metrics = {}, {}
         t = t_step = time.perf_counter()
         if cfg.fleet is not None:
+            if self.fleet is not None and os.environ.get(FAULT_ENV) == f"worker:{self.iteration}":
+                os.kill(self.fleet.worker_pid(0), signal.SIGKILL)  # kill -9 a rollout worker mid-rollout
             out = self._fleet_batch()
             if out is None:
                 return None
@@ -486,7 +488,8 @@ FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
 
 def _fault(point: str, iteration: int):
     """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
-    (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION."""
+    (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION (POINT `worker`: rank 0
+    kills rollout worker 0 instead, at the start of that step)."""
     if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
         os.kill(os.getpid(), signal.SIGKILL)
 

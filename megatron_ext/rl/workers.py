@@ -294,6 +294,10 @@ def _actor_class(ray):
         def stage(self, packed: dict, version: int, full: bool = False) -> float:
             return super().stage(packed, version, full)
 
+        @ray.method(concurrency_group="weights")
+        def pid(self) -> int:  # answered while a rollout runs
+            return super().pid()
+
     return ray.remote(concurrency_groups={"weights": 1})(_RayRolloutWorker)
 
 

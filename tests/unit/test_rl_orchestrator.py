@@ -27,6 +27,7 @@ class FakeFleet:
         self.generation = [0] * size
         self.version = [0] * size
         self.kill_at: dict[int, int] = {}  # request id -> kill its worker while it runs
+        self.hang_at: set[int] = set()  # request ids whose worker hangs until it is replaced
         self.started: list[tuple[int, list[str]]] = []
         self.published = []
 
@@ -41,6 +42,10 @@ class FakeFleet:
                 time.sleep(0.001)
             self.started.append((w, [t["id"] for t in request.tasks]))
             t0, start = time.perf_counter(), self.version[w]
+            if request.request_id in self.hang_at:
+                while generation == self.generation[w]:
+                    time.sleep(0.005)
+                raise WorkerLost("killed while hanging")
             groups = []
             for task in request.tasks:
                 rollouts = []
@@ -83,14 +88,15 @@ class FakeFleet:
         self.version[worker] = version
 
 
-def _run(K, seed, workers=2, P=3, prompts=17, per_request=2, kill=()):
+def _run(K, seed, workers=2, P=3, prompts=17, per_request=2, kill=(), hang=(), timeout=600.0):
     rng = random.Random(seed)
     fleet = FakeFleet(workers, rng)
     fleet.kill_at = {r: 1 for r in kill}
+    fleet.hang_at = set(hang)
     tasks = [{"id": f"p{i}"} for i in range(prompts)]
     ledger = Ledger([t["id"] for t in tasks])
     cfg = OrchestratorConfig(prompts_per_step=P, max_staleness=K, prompts_per_request=per_request, seed=seed,
-                             poll_s=0.01)
+                             poll_s=0.01, request_timeout_s=timeout)
     orch = Orchestrator(cfg, fleet, ledger, {t["id"]: t for t in tasks}, version=0, weights=dict, log=lambda *a, **k: None)
     trained, step, metrics = [], 0, []
     while True:
@@ -134,3 +140,34 @@ def test_lost_worker_prompts_are_requeued_and_trained_once():
     assert sum(m["requeued prompts"] for m in metrics) >= 2 and orch.restarts == 2
     started = [p for _, ps in fleet.started for p in ps]
     assert len(started) > len(set(started))  # the killed requests' prompts started again
+
+
+def test_hung_worker_times_out_and_its_prompts_run_elsewhere():
+    t0 = time.perf_counter()
+    trained, metrics, fleet, orch = _run(1, 4, workers=2, P=2, prompts=8, per_request=1, hang=(3,), timeout=0.5)
+    assert sorted(trained) == sorted(f"p{i}" for i in range(8))
+    assert orch.restarts == 1 and sum(m["requeued prompts"] for m in metrics) >= 1
+    assert time.perf_counter() - t0 < 30
+
+
+class _Hangs:
+    def reset(self, task):
+        return [1]
+
+    def step(self, tokens):
+        time.sleep(30)
+
+    def score(self):
+        return Reward({"r": 1.0}, 1.0)
+
+
+def test_hung_environment_ends_its_episode_with_an_error_reward():
+    from megatron_ext.rl.workers import TimedEnv
+
+    env = TimedEnv(_Hangs(), timeout_s=0.2)
+    env.reset({})
+    t0 = time.perf_counter()
+    result = env.step([2])
+    assert result.done and result.observation == []
+    reward = env.score()
+    assert reward.total == 0.0 and "after 0.2 s" in reward.error and time.perf_counter() - t0 < 5
