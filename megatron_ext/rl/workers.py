@@ -235,6 +235,11 @@ class RolloutWorker:
         self._swap()  # each turn starts on the newest weights received
         return self.backend.generate(prompts, n, sampling)
 
+    def generate(self, prompts: list[list[int]], n: int, sampling) -> list:
+        """One generate request outside the orchestrator's rollouts (e.g. a sub-agent's turn): the GenerateFn
+        signature, on the newest weights this worker has."""
+        return self._generate(prompts, n, sampling)
+
     def rollout(self, request: RolloutRequest) -> RolloutResult:
         with self._cond:  # weights at least as new as the trainer's when the request was dispatched
             def ready():
@@ -392,9 +397,25 @@ class RayFleet:
         current = weights()
         self._start(worker, self.ray.put(pack_weights(current)), version)
 
+    def generate(self, prompts: list[list[int]], n: int, sampling):
+        """Submit a single generate request to the fleet (round-robin over the workers; queued behind their
+        rollouts); returns a Ray ObjectRef of `list[list[Sample]]`. `FleetGenerate` wraps it as a GenerateFn."""
+        self._next = (getattr(self, "_next", -1) + 1) % self.size
+        return self.actors[self._next].generate.remote(prompts, n, sampling)
+
     def close(self):
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+
+
+class FleetGenerate:
+    """A GenerateFn over the rollout fleet (blocking), for callers outside the orchestrator (agent harnesses)."""
+
+    def __init__(self, fleet: RayFleet):
+        self.fleet = fleet
+
+    def __call__(self, prompts, n, sampling):
+        return self.fleet.ray.get(self.fleet.generate(prompts, n, sampling))
