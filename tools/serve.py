@@ -8,6 +8,11 @@ r"""Serve a Megatron checkpoint (or a Hugging Face one, through the importer) ov
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 1}'
     curl localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "n": 4, "stream": true}'   # SSE chunks
     curl localhost:8000/v1/reload -d '{"load": "NEW_CKPT"}'  # validated; on failure the old weights keep serving
+    # SGLang's native shapes (what megatron_ext/rl/remote.py speaks, to this server or to SGLang itself):
+    curl localhost:8000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, "n": 2,
+        "sampling_seed": 7}, "return_logprob": true, "return_routed_experts": true}'
+    curl localhost:8000/update_weights_from_disk -d '{"model_path": "NEW_CKPT", "weight_version": "12"}'
+    curl localhost:8000/get_model_info        # weight_version, MoE layers / top-k for routing replay
 """
 
 import argparse

@@ -105,6 +105,9 @@ class Completion:
     # int16 [len(prompt_ids) + len(token_ids), MoE layers, topk]: the experts of every token (row t: position t),
     # each row in the order Megatron-Core's router ranks them (what RouterReplay records)
     routing: Optional[torch.Tensor] = None
+    # MTP speculation of this completion (inference/speculative_batch.py): drafts proposed and accepted, verify
+    # forwards; None when decoded without drafting
+    speculation: Optional[dict] = None
 
     def routing_for_replay(self) -> list[torch.Tensor]:
         """One [tokens, topk] int64 tensor per MoE layer, as RouterReplay.set_replay_data takes for a single
@@ -665,12 +668,7 @@ class InferenceEngine:
         """`n` samples of each prompt (or n[i] of prompt i); the samples of a prompt share one prefill (its cache
         is forked n ways). Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j].
         `on_token(row, token_id, logprob)` numbers the rows prompt by prompt, sample by sample."""
-        counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
-        if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-            raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        counts, per_prompt = group_counts(prompts, n, params)
         rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
         seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
         flat = self._generate_rows(prompts, rows, seeds, counts, on_token)
@@ -725,6 +723,18 @@ class InferenceEngine:
                 dst.copy_(tensor)
         self.weights_version = self.weights_version + 1 if version is None else int(version)
         return self.weights_version
+
+
+def group_counts(prompts: list, n, params) -> tuple[list[int], list[SamplingParams]]:
+    """(samples per prompt, SamplingParams per prompt) of a grouped request: `n` one count or one per prompt,
+    `params` one SamplingParams or one per prompt."""
+    counts = [n] * len(prompts) if not isinstance(n, (list, tuple)) else list(n)
+    if len(counts) != len(prompts) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"n must be an integer >= 1 (or one per prompt), got {n!r}")
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+    return counts, per_prompt
 
 
 def _prompt_of(counts: list[int]) -> list[int]:

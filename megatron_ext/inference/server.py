@@ -5,6 +5,8 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (prompt
 token ids and, with ``logprobs``, per-token log-probabilities), ``POST /v1/chat/completions`` (messages rendered
 with the tokenizer's chat template, when one is given), ``POST /v1/reload`` ({"load": CKPT}: new weights without a
 restart, as the RL trainer publishes them; validated first, the previous weights keep serving if it fails).
+SGLang's native shapes (``POST /generate``, ``POST /update_weights_from_disk``, ``GET /get_model_info``, ``GET
+/health_generate``; inference/native.py) serve clients written for SGLang deployments (rl/remote.py).
 ``"n"`` samples share the prompt's prefill, ``"stream": true`` answers with server-sent events in OpenAI's chunk
 format, ``"speculative": true`` uses MTP drafting. Bad requests get a 4xx naming the field and the server keeps
 serving.
@@ -36,8 +38,10 @@ from starlette.exceptions import HTTPException
 
 from megatron_ext import platform
 from megatron_ext.data.sft import IM_END, parse_assistant
+from megatron_ext.inference import native
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
-from megatron_ext.inference.speculative import SpeculationStats, generate_speculative
+from megatron_ext.inference.speculative import SpeculationStats
+from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
 MAX_N = 64  # samples per request
 
@@ -273,18 +277,13 @@ class ModelService:
     def _run_batch(self, batch: list[Job]):
         plain = [j for j in batch if not j.speculative and not j.future.done()]
         if plain:
-            rows = [(j, s) for j in plain for s in range(j.n)]  # engine row -> (job, sample)
-
-            def on_token(row, token, logprob):
-                job, sample = rows[row]
-                if job.on_token is not None:
-                    job.on_token(sample, token, logprob)
-
             self._settle(plain, lambda: self._call("generate", [j.prompt_ids for j in plain], [j.n for j in plain],
-                                                   [j.params for j in plain], on_token=on_token))
-        for job in (j for j in batch if j.speculative and not j.future.done()):
-            self._settle([job], lambda job=job: [[self._call("speculative", job.prompt_ids, _sample_params(job.params, s),
-                                                             on_token=_sample_callback(job, s)) for s in range(job.n)]])
+                                                   [j.params for j in plain], on_token=_row_callback(plain)))
+        drafted = [j for j in batch if j.speculative and not j.future.done()]
+        if drafted:  # every speculative sample of the batch drafts and verifies together
+            self._settle(drafted, lambda: self._call("speculative_groups", [j.prompt_ids for j in drafted],
+                                                     [j.n for j in drafted], [j.params for j in drafted],
+                                                     on_token=_row_callback(drafted)))
 
     @staticmethod
     def _settle(jobs: list[Job], run):
@@ -307,12 +306,13 @@ class ModelService:
         if name == "generate":
             prompts, counts, params = args
             return self.engine.generate_groups(prompts, counts, params, on_token=on_token)
-        if name == "speculative":
-            prompt_ids, params = args
-            return generate_speculative(self.engine, prompt_ids, params, self.stats, on_token=on_token)
-        if name == "reload":
-            self._reload(*args)
-            self.engine.weights_version += 1
+        if name == "speculative_groups":
+            prompts, counts, params = args
+            return generate_speculative_groups(self.engine, prompts, counts, params, self.stats, on_token=on_token)
+        if name == "reload":  # (path) or (path, version): new weights, the version given or the next one
+            path, version = args if len(args) == 2 else (args[0], None)
+            self._reload(path)
+            self.engine.weights_version = self.engine.weights_version + 1 if version is None else version
             return self.engine.weights_version
         if name == "noop":
             return None
@@ -361,31 +361,37 @@ class ModelService:
                           "total_tokens": len(job.prompt_ids) + completion_tokens}}
 
     def reload(self, body: dict) -> dict:
-        from megatron_ext.inference.reload import ReloadError
-
         path = body.get("load")
         if not isinstance(path, str) or not path:
             raise RequestError("'load' must name a checkpoint directory")
+        return {"status": "ok", "weights_version": self.reload_checkpoint(path), "load": path}
+
+    def reload_checkpoint(self, path: str, version: Optional[int] = None) -> int:
+        """Validated reload of every rank's weights from `path` (the previous weights keep serving on failure);
+        the new weights_version (`version`, or the old one + 1)."""
+        from megatron_ext.inference.reload import ReloadError
+
         if self._reload is None:
             raise RequestError("this server was started without a way to reload weights", status=501)
         with self.lock:
             try:
-                version = self._call("reload", path)
+                return self._call("reload", path) if version is None else self._call("reload", path, version)
             except ReloadError as e:
                 raise RequestError(f"cannot load {path}: {e}", status=e.status) from None
             except Exception as e:  # noqa: BLE001 - a bad checkpoint must not take the server down
                 raise RequestError(f"cannot load {path}: {type(e).__name__}: {e}", status=500) from None
-        return {"status": "ok", "weights_version": version, "load": path}
 
 
-def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
-    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + sample)
+def _row_callback(jobs: list[Job]):
+    """An engine call's per-row token callback (rows job by job, sample by sample) to each job's own."""
+    rows = [(j, s) for j in jobs for s in range(j.n)]
 
+    def on_token(row, token, logprob):
+        job, sample = rows[row]
+        if job.on_token is not None:
+            job.on_token(sample, token, logprob)
 
-def _sample_callback(job: Job, sample: int):
-    if job.on_token is None:
-        return None
-    return lambda row, token, logprob: job.on_token(sample, token, logprob)
+    return on_token
 
 
 class _Stream:
@@ -538,6 +544,43 @@ def create_app(service: ModelService):
             return await asyncio.to_thread(service.reload, body)
         except RequestError as e:
             return error(e.status, str(e))
+
+    # SGLang's native protocol (inference/native.py)
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            parsed = native.parse_generate(service, await body_of(request))
+            results = await asyncio.gather(*(asyncio.wrap_future(service.submit(j)) for j in parsed.jobs))
+            return JSONResponse(native.respond(service, parsed, results))
+        except RequestError as e:
+            return error(e.status, str(e))
+        except Exception as e:  # noqa: BLE001 - keep serving; report the failure to the caller
+            return error(500, f"{type(e).__name__}: {e}")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        try:
+            path, version = native.parse_update(await body_of(request))
+            version = await asyncio.to_thread(service.reload_checkpoint, path, version)
+        except RequestError as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=e.status)
+        return {"success": True, "message": f"loaded {path}; weights version {version}", "num_paused_requests": 0,
+                "weight_version": str(version)}
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return native.model_info(service)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """A one-token generation through the batching loop: the engine answers, not just HTTP."""
+        job = Job("native", [0], SamplingParams(max_tokens=1, temperature=0.0), 1, False, False, False)
+        try:
+            await asyncio.wrap_future(service.submit(job))
+        except Exception as e:  # noqa: BLE001
+            return error(503, f"generation failed: {type(e).__name__}: {e}")
+        return {"status": "ok", "weights_version": service.version}
 
     return app
 

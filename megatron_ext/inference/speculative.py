@@ -61,18 +61,72 @@ def _draw(probs: torch.Tensor, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
-@torch.inference_mode()
-def generate_speculative(engine: InferenceEngine, prompt: list[int], params: SamplingParams,
-                         stats: SpeculationStats | None = None, depth: Optional[int] = None,
-                         on_token: Optional[Callable[[int, int, float], None]] = None) -> Completion:
-    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has); `on_token(0,
-    token_id, logprob)` is called as each token is emitted."""
+def pick(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+    """A token from the main model's logits: the argmax when greedy, else a draw from the sampling distribution."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    return _draw(sampling_probs(logits, params), generator)
+
+
+def draft_depth(engine: InferenceEngine, depth: Optional[int]) -> int:
+    """The MTP layers drafting: `depth`, or all the model has; refused without MTP layers or beyond them."""
     layers = len(engine.mtp_layers)
     if layers == 0:
         raise ValueError("speculative decoding needs a model with MTP layers (--mtp-num-layers >= 1)")
     depth = layers if depth is None else depth
     if not 1 <= depth <= layers:
         raise ValueError(f"draft depth must be between 1 and the model's {layers} MTP layer(s), got {depth}")
+    return depth
+
+
+def append_token(out: Completion, token: int, main_logits: torch.Tensor, params: SamplingParams, version: int,
+                 detokenize) -> tuple[bool, float]:
+    """Append a token with the main model's raw and sampled log-probabilities and the weights version; (True when
+    generation is over (stop id, stop string or max_tokens), the raw log-probability)."""
+    out.token_ids.append(token)
+    sampled = 0.0 if params.temperature == 0 else sampling_probs(main_logits, params)[token].log()
+    values = torch.stack((torch.log_softmax(main_logits.double(), -1)[token],
+                          torch.as_tensor(sampled, dtype=torch.float64, device=main_logits.device))).tolist()
+    out.logprobs.append(values[0])
+    out.sampled_logprobs.append(values[1])
+    out.versions.append(version)
+    return _finished(out, params, detokenize), values[0]
+
+
+def verify_drafts(drafts: list[int], dists: list[Optional[torch.Tensor]], logits: torch.Tensor,
+                  params: SamplingParams, generator, count: Callable[[int, bool], None],
+                  emit: Callable[[int, torch.Tensor], bool]) -> bool:
+    """Accept or reject the drafts against the main model's logits [D + 1, vocab] at their positions, emitting
+    each accepted draft, then the resampled token at the first rejection or the bonus token after the last draft
+    (greedy: the argmax); `count(depth, accepted)` per checked draft. True when generation is over."""
+    for i, (d, q) in enumerate(zip(drafts, dists)):
+        p_logits = logits[i]
+        if params.temperature == 0:
+            target = int(p_logits.argmax())
+            accepted = target == d
+        else:
+            p = sampling_probs(p_logits, params)
+            u = torch.rand(1, generator=generator, dtype=torch.float64, device=logits.device)
+            accepted = bool(u < min(1.0, float(p[d] / q[d])))
+        count(i, accepted)
+        if not accepted:
+            if params.temperature > 0:
+                residual = (p - q).clamp(min=0)
+                target = _draw(residual / residual.sum() if residual.sum() > 0 else p, generator)
+            return emit(target, p_logits)
+        if emit(d, p_logits):
+            return True
+    last = logits[len(drafts)]
+    return emit(pick(last, params, generator), last)
+
+
+@torch.inference_mode()
+def generate_speculative(engine: InferenceEngine, prompt: list[int], params: SamplingParams,
+                         stats: SpeculationStats | None = None, depth: Optional[int] = None,
+                         on_token: Optional[Callable[[int, int, float], None]] = None) -> Completion:
+    """Generate for one prompt with `depth` MTP layers drafting (default: all the model has); `on_token(0,
+    token_id, logprob)` is called as each token is emitted."""
+    depth = draft_depth(engine, depth)
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     params.validate(engine.vocab_size)
@@ -139,7 +193,7 @@ class _Speculation:
         self._keep_routing(n)
         self.inputs[0, :n] = hidden[:, 0]
         last = logits[0, -1, : self.vocab]
-        done = self._emit(self._pick(last), last)
+        done = self._emit(pick(last, self.params, self.generator), last)
         while not done:
             done = self._round()
         if self.routing is not None:  # the newest token's experts: one more forward of it
@@ -151,26 +205,15 @@ class _Speculation:
             self.out.text = engine.detokenize(self.out.token_ids)
         return self.out
 
-    def _pick(self, logits: torch.Tensor) -> int:
-        if self.params.temperature == 0:
-            return int(logits.argmax())
-        return _draw(sampling_probs(logits, self.params), self.generator)
-
     def _emit(self, token: int, main_logits: torch.Tensor) -> bool:
         """Append a token; True when generation is over (stop id, stop string or max_tokens)."""
-        out = self.out
-        out.token_ids.append(token)
-        sampled = 0.0 if self.params.temperature == 0 else sampling_probs(main_logits, self.params)[token].log()
-        values = torch.stack((torch.log_softmax(main_logits.double(), -1)[token],
-                              torch.as_tensor(sampled, dtype=torch.float64, device=main_logits.device))).tolist()
-        out.logprobs.append(values[0])
-        out.sampled_logprobs.append(values[1])
-        out.versions.append(self.engine.weights_version)
+        done, logprob = append_token(self.out, token, main_logits, self.params, self.engine.weights_version,
+                                     self.engine.detokenize)
         self.tokens.append(token)
         self.stats.tokens += 1
         if self.on_token is not None:
-            self.on_token(0, token, values[0])
-        return _finished(out, self.params, self.engine.detokenize)
+            self.on_token(0, token, logprob)
+        return done
 
     def _draft(self) -> tuple[list[int], list[Optional[torch.Tensor]]]:
         """D drafts (and their distributions when sampling), feeding each MTP layer every position since its
@@ -203,26 +246,9 @@ class _Speculation:
         return done
 
     def _verify(self) -> bool:
-        params, L = self.params, len(self.tokens)
+        L = len(self.tokens)
         drafts, dists = self._draft()
         logits, hidden = self._main([self.tokens[L - 1]] + drafts, L - 1)
         self.inputs[0, L - 1: L + len(drafts)] = hidden[:, 0]  # rows past the accepted drafts are redone later
-        logits = logits[0, :, : self.vocab]
-        for i, (d, q) in enumerate(zip(drafts, dists)):
-            p_logits = logits[i]
-            if params.temperature == 0:
-                target = int(p_logits.argmax())
-                accepted = target == d
-            else:
-                p = sampling_probs(p_logits, params)
-                u = torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.dev)
-                accepted = bool(u < min(1.0, float(p[d] / q[d])))
-            self.stats.count(i, accepted)
-            if not accepted:
-                if params.temperature > 0:
-                    residual = (p - q).clamp(min=0)
-                    target = _draw(residual / residual.sum() if residual.sum() > 0 else p, self.generator)
-                return self._emit(target, p_logits)
-            if self._emit(d, p_logits):
-                return True
-        return self._emit(self._pick(logits[len(drafts)]), logits[len(drafts)])
+        return verify_drafts(drafts, dists, logits[0, :, : self.vocab], self.params, self.generator,
+                             self.stats.count, self._emit)

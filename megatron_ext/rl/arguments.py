@@ -9,14 +9,15 @@ from megatron_ext.arguments import ArgumentError
 from megatron_ext.rl.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, LossConfig
 from megatron_ext.rl.rollout import Sampling
 
-RL_ENVS = ("digits", "coding")
+RL_ENVS = ("digits", "coding", "swarm")
 
 
 def add_rl_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("rl", "GRPO as in the Composer 2 recipe (rl_composer.py)")
     g.add_argument("--rl-env", default="digits", choices=RL_ENVS,
                    help="environment family: digits (tools/make_rl_prompts.py prompts) or coding (repository tasks "
-                        "of megatron_ext/env, tools/mine_tasks.py; needs --tokenizer-model, takes the --env-* flags)")
+                        "of megatron_ext/env, tools/mine_tasks.py; needs --tokenizer-model, takes the --env-* flags) or "
+                        "swarm (coding tasks for an orchestrator with sub-agents; also the --swarm-* flags)")
     g.add_argument("--rl-prompts", default=None, help="JSONL prompt file, one task with a unique 'id' per line "
                                                       "(tools/make_rl_prompts.py; coding: a task suite from "
                                                       "tools/mine_tasks.py); each id is trained on once")
@@ -65,6 +66,22 @@ def add_rl_args(parser: argparse.ArgumentParser):
     g.add_argument("--rl-eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
     g.add_argument("--rl-sft-warmup", action="store_true",
                    help="train on the prompts' reference answers instead of sampling (supervised warm-up)")
+    s = parser.add_argument_group("rl generation", "how rollouts are decoded")
+    s.add_argument("--rl-speculative", action="store_true",
+                   help="decode rollouts with MTP speculative decoding: lossless (the policy's own distribution; "
+                        "greedy gives the same tokens), logprobs/versions/routing of every token as without it; "
+                        "needs --mtp-num-layers >= 1 (the MTP layers keep learning by detached self-distillation); "
+                        "the acceptance (accepted / proposed drafts) is logged each step as 'mtp acceptance'")
+    s.add_argument("--rl-speculative-depth", type=int, default=None,
+                   help="MTP layers drafting with --rl-speculative (default: all of them)")
+    s.add_argument("--rl-remote-servers", nargs="+", default=None, metavar="URL",
+                   help="generate on these SGLang-native inference servers (tools/serve.py, or SGLang with "
+                        "--enable-return-routed-experts) instead of the trainer's ranks; token ids in and out, "
+                        "requests spread over the servers; after every step the weights are published to "
+                        "--rl-remote-weights-dir and each server reloads them (POST /update_weights_from_disk)")
+    s.add_argument("--rl-remote-weights-dir", default=None,
+                   help="directory every server can read (shared storage): each step's weights go to "
+                        "DIR/v<version> as a weights-only checkpoint; older versions are removed")
     a = parser.add_argument_group("rl-async", "asynchronous RL: generation on Ray rollout workers (orchestrator.py)")
     a.add_argument("--rl-rollout-workers", type=int, default=0,
                    help="rollout worker processes (Ray actors, each an inference engine replica plus environments); "
@@ -83,9 +100,6 @@ def add_rl_args(parser: argparse.ArgumentParser):
     a.add_argument("--rl-env-timeout", type=float, default=300.0,
                    help="seconds an environment call (step, score) may take; a hung one ends its episode with an "
                         "error reward (0: no limit)")
-    a.add_argument("--rl-weights-dir", default=None,
-                   help="also publish every version's weights as a checkpoint directory here (remote servers "
-                        "reload it by path)")
     a.add_argument("--rl-publish-full", action="store_true",
                    help="publish every tensor each step (default: only the tensors that changed, when fewer bytes)")
 
@@ -102,23 +116,40 @@ def validate_rl_args(args: argparse.Namespace):
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.grpo_kl_beta < 0:
         fail("--grpo-kl-beta must be >= 0")
-    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+    if args.rl_remote_servers and not args.rl_remote_weights_dir:
+        fail("--rl-remote-servers needs --rl-remote-weights-dir DIR (a directory the servers can read) to publish "
+             "each step's weights")
+    if args.rl_remote_weights_dir and not args.rl_remote_servers:
+        fail("--rl-remote-weights-dir is only used with --rl-remote-servers URL [URL ...]")
+    bad = [u for u in args.rl_remote_servers or () if not u.startswith(("http://", "https://"))]
+    if bad:
+        fail(f"--rl-remote-servers takes http(s):// URLs, got {bad}")
+    if (args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1) and not args.rl_remote_servers:
         fail("colocated generation runs the inference engine on every rank's model, which needs "
              "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the RL training step itself supports "
-             "PP/CP; separate generation workers come with the asynchronous RL issue)")
+             "PP/CP; or generate on --rl-remote-servers)")
     if args.rl_importance_sampling == "sequence" and args.context_parallel_size > 1:
         fail("--rl-importance-sampling sequence needs whole samples on a rank: --context-parallel-size 1")
     if args.rl_routing_replay and not args.arch.num_experts:
         fail("--rl-routing-replay needs an MoE model (--num-experts > 0)")
     if args.rl_eval_interval and not args.rl_eval_prompts:
         fail("--rl-eval-interval needs --rl-eval-prompts FILE")
-    if args.rl_env == "coding":
+    if args.rl_env in ("coding", "swarm"):
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup needs reference answers as tokens; the coding environment has none (its tasks carry "
                  "a reference diff, not a transcript): drop --rl-sft-warmup or use --rl-env digits")
         if args.rl_reward_weights:
-            fail("--rl-reward-weights names digit reward parts; for --rl-env coding use --env-reward-weights FILE "
-                 "or --env-reward-weight NAME=W")
+            fail(f"--rl-reward-weights names digit reward parts; for --rl-env {args.rl_env} use "
+                 "--env-reward-weights FILE or --env-reward-weight NAME=W")
+    mtp = args.arch.mtp_num_layers or 0
+    if args.rl_speculative and not mtp:
+        fail("--rl-speculative drafts with the MTP layers: the model needs --mtp-num-layers >= 1")
+    if args.rl_speculative_depth is not None:
+        if not args.rl_speculative:
+            fail("--rl-speculative-depth needs --rl-speculative")
+        if not 1 <= args.rl_speculative_depth <= mtp:
+            fail(f"--rl-speculative-depth must be between 1 and --mtp-num-layers ({mtp}), got "
+                 f"{args.rl_speculative_depth}")
     if args.rl_rollout_workers < 0 or args.rl_max_staleness < 0 or args.rl_prompts_per_request < 0:
         fail("--rl-rollout-workers, --rl-max-staleness and --rl-prompts-per-request must be >= 0")
     if args.rl_rollout_workers:
@@ -127,9 +158,11 @@ def validate_rl_args(args: argparse.Namespace):
         if args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
             fail("--rl-rollout-workers publishes rank 0's full weights to one-process workers, which needs "
                  "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (data parallelism is fine)")
-    elif args.ray_address or args.rl_max_staleness or args.rl_weights_dir:
-        fail("--ray-address, --rl-max-staleness and --rl-weights-dir apply to rollout workers: add "
-             "--rl-rollout-workers N")
+        if args.rl_remote_servers:
+            fail("--rl-rollout-workers runs generation on Ray workers with local engines; remote servers "
+                 "(--rl-remote-servers) generate from the trainer's ranks: use one or the other")
+    elif args.ray_address or args.rl_max_staleness:
+        fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 
@@ -154,7 +187,7 @@ def fleet_config(args: argparse.Namespace):
     return FleetConfig(workers=args.rl_rollout_workers, max_staleness=args.rl_max_staleness,
                        ray_address=args.ray_address, prompts_per_request=args.rl_prompts_per_request,
                        request_timeout_s=args.rl_rollout_timeout, env_timeout_s=args.rl_env_timeout,
-                       weights_dir=args.rl_weights_dir, delta=not args.rl_publish_full)
+                       delta=not args.rl_publish_full)
 
 
 def sampling_config(args: argparse.Namespace, stop_token_ids: tuple[int, ...]) -> Sampling:

@@ -75,6 +75,7 @@ class RolloutResult:
     busy_s: float          # seconds the worker spent on the request (generation, environments, weight swaps)
     swaps: int = 0         # in-flight weight updates applied during the request
     swap_s: float = 0.0
+    speculation: dict = field(default_factory=dict)  # MTP drafts: drafted, accepted, main_forwards, tokens
 
 
 class WorkerFailure(RuntimeError):
@@ -123,6 +124,7 @@ class _Stats:
     requeued: int = 0
     restarts: int = 0
     request_latency: list = field(default_factory=list)
+    speculation: collections.Counter = field(default_factory=collections.Counter)
     since: float = field(default_factory=time.perf_counter)
 
 
@@ -223,6 +225,7 @@ class Orchestrator:
             self._busy_since[f.worker] = now
             self.stats.busy_s += result.busy_s
             self.stats.swaps += result.swaps
+            self.stats.speculation.update(result.speculation)
             self.stats.request_latency.append(now - f.submitted)
             for slot, group in zip(f.slots, result.groups):
                 if group.prompt_id != self.slots[slot]:
@@ -319,6 +322,9 @@ class Orchestrator:
                "worker utilisation": min(1.0, s.busy_s / (wall * self.fleet.size)),
                "weight swaps in flight": float(s.swaps), "requeued prompts": float(s.requeued),
                "worker restarts": float(s.restarts)}
+        if s.speculation.get("drafted"):  # --rl-speculative on the workers
+            out["mtp acceptance"] = s.speculation["accepted"] / s.speculation["drafted"]
+            out["mtp tokens per forward"] = s.speculation["tokens"] / max(s.speculation["main_forwards"], 1)
         if self._blocked_since is not None:
             self._blocked_since = now
         self.stats = _Stats(since=now)

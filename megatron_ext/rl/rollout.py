@@ -35,10 +35,23 @@ class GenerateFn(Protocol):
 
 class EngineGenerate:
     """GenerateFn on the local InferenceEngine (ENGINE_API): `generate_groups` shares one prefill per prompt;
-    sample j of prompt i draws with seed + i * n + j, so a step's samples are reproducible."""
+    sample j of prompt i draws with seed + i * n + j, so a step's samples are reproducible.
 
-    def __init__(self, engine):
-        self.engine = engine
+    With `speculative`, every sample is decoded with MTP drafting, all samples of the call batched together
+    (inference/speculative_batch.py; `draft_depth` MTP layers, default all): lossless, i.e. the main model's
+    distribution (greedy: the very tokens of plain decoding), with the main model's raw and sampled
+    log-probabilities, versions and routing for every token; the same seeds. `pop_speculation()` returns the drafts
+    accepted and proposed since its last call."""
+
+    def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None):
+        self.engine, self.speculative, self.draft_depth = engine, speculative, draft_depth
+        self.stats = None
+        if speculative:
+            from megatron_ext.inference.speculative import SpeculationStats
+
+            if not engine.mtp_layers:
+                raise ValueError("speculative rollouts need a model with MTP layers (--mtp-num-layers >= 1)")
+            self.stats = SpeculationStats()
 
     def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
         from megatron_ext.inference.engine import SamplingParams
@@ -49,8 +62,26 @@ class EngineGenerate:
                                 return_routing=sampling.return_routing)
         if sampling.seed is not None:
             params = [SamplingParams(**{**vars(params), "seed": sampling.seed + i * n}) for i in range(len(prompts))]
-        groups = self.engine.generate_groups(prompts, n, params)
+        if self.speculative:
+            groups = self._speculative(prompts, n, params)
+        else:
+            groups = self.engine.generate_groups(prompts, n, params)
         return [[self._sample(c) for c in g] for g in groups]
+
+    def _speculative(self, prompts, n, params):
+        from megatron_ext.inference.speculative_batch import generate_speculative_groups
+
+        return generate_speculative_groups(self.engine, prompts, n, params, self.stats, self.draft_depth)
+
+    def pop_speculation(self) -> dict[str, int]:
+        """Drafts proposed and accepted, main-model forwards and tokens since the last call (zeros without
+        speculation); resets the counts."""
+        if self.stats is None:
+            return {"drafted": 0, "accepted": 0, "main_forwards": 0, "tokens": 0}
+        s = self.stats
+        out = {"drafted": s.drafted, "accepted": s.accepted, "main_forwards": s.main_forwards, "tokens": s.tokens}
+        self.stats = type(s)()
+        return out
 
     @staticmethod
     def _sample(c) -> Sample:

@@ -11,8 +11,8 @@ dealt to replicas round-robin and to data-parallel ranks for training the same w
 optimizer, clipping, NaN skipping, checkpoints) is the pretraining step's (training/step.py, checkpointing.py).
 With `RLConfig.fleet` (--rl-rollout-workers N) generation runs on Ray rollout workers instead: rank 0's
 orchestrator (orchestrator.py) hands each step the groups of its slot, generated while earlier steps trained, with
-staleness bounded by admission control; the weights of every step are published to the workers (workers.py) and,
-with --rl-weights-dir, to a versioned directory (disk_weights.py). The loss, batches and accounting are the same.
+staleness bounded by admission control; the weights of every step are published to the workers (workers.py).
+The loss, batches and accounting are the same.
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ class RLConfig:
     eval_temperature: float = 1.0
     sft_warmup: bool = False
     fleet: Optional["FleetConfig"] = None  # generation on Ray rollout workers (asynchronous); None: colocated
+    speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
+    speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
+    remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
+    remote_weights_dir: Optional[str] = None  # where each step's weights go for the servers to reload
 
 
 def _replica_ranks() -> tuple[int, int]:
@@ -86,9 +90,10 @@ def _replica_ranks() -> tuple[int, int]:
 
 
 def generate_groups(tasks: list[dict], make_env, generate: GenerateFn, cfg: EpisodeConfig, std_normalize: bool,
-                    seed: int) -> list[Group]:
-    """Every task's group, on every rank: each replica generates its share (tasks i with i % R == replica)."""
-    replica, replicas = _replica_ranks()
+                    seed: int, per_rank: bool = False) -> list[Group]:
+    """Every task's group, on every rank: each replica generates its share (tasks i with i % R == replica); with
+    `per_rank` (remote servers generate: no engine replicas) every rank is a replica of its own."""
+    replica, replicas = (dist.get_rank(), dist.get_world_size()) if per_rank else _replica_ranks()
     mine = [t for i, t in enumerate(tasks) if i % replicas == replica]
     sampling = Sampling(**{**vars(cfg.sampling), "seed": seed + 100_003 * replica})
     local = run_groups(mine, make_env, generate, EpisodeConfig(cfg.group_size, sampling, cfg.max_turns,
@@ -193,13 +198,19 @@ class RLTrainer:
                 p.requires_grad_(False)
         self.generate = generate
         self.engine = None
-        if generate is None:
+        if generate is None and cfg.remote_servers:
+            from megatron_ext.rl.remote import RemoteGenerate
+
+            self.generate = RemoteGenerate(cfg.remote_servers, speculative=cfg.speculative)
+            self._publish_remote()  # the servers start from the trainer's weights and version
+        elif generate is None:
             from megatron_ext.inference.engine import InferenceEngine
             from megatron_ext.rl.rollout import EngineGenerate
 
             self.engine = InferenceEngine(self.model[0], weights_version=self.iteration)
-            self.generate = EngineGenerate(self.engine)
-        self.orchestrator = self.fleet = self.disk = None
+            self.generate = EngineGenerate(self.engine, speculative=cfg.speculative,
+                                           draft_depth=cfg.speculative_depth)
+        self.orchestrator = self.fleet = None
         if cfg.fleet is not None:
             self._start_fleet(cfg.fleet, backend_factory)
         dp = parallel_state.get_data_parallel_world_size()
@@ -214,10 +225,6 @@ class RLTrainer:
         from megatron_ext.rl.workers import RayFleet, WorkerConfig, start_ray
 
         cfg = self.cfg
-        if fc.weights_dir:
-            from megatron_ext.rl.disk_weights import DiskWeights
-
-            self.disk = DiskWeights(self.args, fc.weights_dir)
         if self.rank != 0:
             return
         start_ray(fc.ray_address, num_cpus=max(2, fc.workers + 1), log=self.log)
@@ -282,7 +289,7 @@ class RLTrainer:
 
     def step(self) -> Optional[dict]:
         args, cfg = self.args, self.cfg
-        timers, fleet_metrics = {}, {}
+        timers, fleet_metrics, speculation = {}, {}, {}
         t = t_step = time.perf_counter()
         if cfg.fleet is not None:
             if self.fleet is not None and os.environ.get(FAULT_ENV) == f"worker:{self.iteration}":
@@ -306,8 +313,10 @@ class RLTrainer:
             tasks = [self.by_id[p] for p in admitted]
             self._sync_reward_weights(self.iteration + 1)
             episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
+            self._speculation()  # drafts of evaluations in between do not count
             new = generate_groups(tasks, self.make_env, self.generate, episode, cfg.std_normalize,
-                                  seed=args.seed * 1_000_003 + self.iteration * 7919)
+                                  seed=args.seed * 1_000_003 + self.iteration * 7919, per_rank=bool(cfg.remote_servers))
+            speculation = self._speculation()
             _fault("generating", self.iteration)  # groups generated, still in flight
             for g in new:
                 self.ledger.finish(g)
@@ -341,6 +350,7 @@ class RLTrainer:
                     mb["ref_logprobs"] = lp
         timers["reference"] = time.perf_counter() - t
         metrics.update(group_metrics(groups))
+        metrics.update(speculation)
 
         t = time.perf_counter()
         if cfg.iterations > 1:
@@ -375,6 +385,20 @@ class RLTrainer:
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
                 "skipped": any(r["skipped"] for r in results)}
 
+    def _speculation(self) -> dict[str, float]:
+        """MTP drafts accepted / proposed since the last call, over every generation replica or remote request
+        ('mtp acceptance'), and tokens per main-model forward; empty without --rl-speculative."""
+        pop = getattr(self.generate, "pop_speculation", None)
+        if not self.cfg.speculative or pop is None:
+            return {}
+        counts = pop()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        total = torch.tensor([counts["accepted"], counts["drafted"], counts["tokens"], counts["main_forwards"]],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(total)  # each engine replica's ranks count the same drafts: the ratios are unchanged
+        accepted, drafted, tokens, forwards = total.tolist()
+        return {"mtp acceptance": accepted / max(drafted, 1.0), "mtp tokens per forward": tokens / max(forwards, 1.0)}
+
     def _sync_reward_weights(self, step: int):
         """An environment factory with editable reward weights (`read_weights(step)`, `use_weights(config)`: the
         coding family's weights file) takes them before the step's rollouts are scored: rank 0 reads (a change is
@@ -389,15 +413,43 @@ class RLTrainer:
     def publish_weights(self) -> dict[str, float]:
         """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
         only the version moves) and tag later tokens with the new version; with rollout workers, publish them
-        to the fleet (and the versioned directory)."""
+        to the fleet; with remote servers, as a versioned directory they reload."""
         stats = {}
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
-        if self.disk is not None:
-            stats.update(self.disk.publish(self.model, self.iteration))
+        elif self.cfg.remote_servers:
+            self._publish_remote()
         if self.orchestrator is not None:
             stats.update(self.orchestrator.publish(self.iteration))
         return stats
+
+    def _publish_remote(self):
+        """A weights-only checkpoint of this version under --rl-remote-weights-dir/v<version> (every rank writes its
+        shards), then every server loads it and reports the version (rank 0 asks; all ranks learn the outcome and
+        a failure stops the run naming the servers); older versions' directories are removed."""
+        import copy
+        import shutil
+
+        from megatron_ext.rl.remote import RemoteServerError
+
+        root = os.path.join(self.cfg.remote_weights_dir, f"v{self.iteration}")
+        wargs = copy.copy(self.args)
+        wargs.save, wargs.no_save_optim = root, True
+        save_checkpoint(wargs, self.iteration, self.model, None, None)
+        box = [None]
+        if self.rank == 0:
+            try:
+                self.generate.reload(root, self.iteration)
+            except RemoteServerError as e:
+                box[0] = str(e)
+            for name in os.listdir(self.cfg.remote_weights_dir):
+                if name.startswith("v") and name != os.path.basename(root):
+                    shutil.rmtree(os.path.join(self.cfg.remote_weights_dir, name), ignore_errors=True)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise TrainingAborted(f"publishing weights version {self.iteration} to --rl-remote-servers failed: "
+                                  f"{box[0]}")
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -406,7 +458,7 @@ class RLTrainer:
         sampling = Sampling(**{**vars(cfg.sampling), "temperature": cfg.eval_temperature, "return_routing": False})
         episode = EpisodeConfig(cfg.eval_samples, sampling, cfg.max_turns, cfg.max_response_length)
         groups = generate_groups(cfg.eval_tasks, self.make_env, self.generate, episode, False,
-                                 seed=12345 + self.args.seed)
+                                 seed=12345 + self.args.seed, per_rank=bool(cfg.remote_servers))
         success = np.array([[_success(r) for r in g.rollouts if r.sequence_index == 0] for g in groups],
                            dtype=np.float64)  # one per episode: a chain's sequences share its reward
         out = {"heldout success": float(success.mean()), "heldout pass@k": float(success.max(1).mean())}

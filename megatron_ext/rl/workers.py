@@ -48,7 +48,6 @@ class FleetConfig:
     prompts_per_request: int = 0       # 0: prompts per step / (2 x workers), at least 1
     request_timeout_s: float = 600.0
     env_timeout_s: float = 300.0
-    weights_dir: Optional[str] = None  # also publish each version as a checkpoint directory (remote servers)
     delta: bool = True                 # publish only changed tensors when that is fewer bytes
 
     def per_request(self, prompts_per_step: int) -> int:
@@ -155,7 +154,7 @@ class EngineBackend:
     """An InferenceEngine on a fresh one-rank replica of the trainer's model (Megatron-Core's parallel state of
     size 1 in this process; weights until the first `apply` are the initialisation's)."""
 
-    def __init__(self, model_args: argparse.Namespace):
+    def __init__(self, model_args: argparse.Namespace, speculative: bool = False, draft_depth: Optional[int] = None):
         from megatron_ext.inference.engine import InferenceEngine
         from megatron_ext.training.initialize import initialize_distributed
         from megatron_ext.training.step import build_model
@@ -164,7 +163,8 @@ class EngineBackend:
         model = build_model(model_args, wrap_ddp=False)[0]
         model.eval()
         self.engine = InferenceEngine(model, weights_version=-1)
-        self.generate = EngineGenerate(self.engine)
+        # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
+        self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth)
 
     @property
     def version(self) -> int:
@@ -180,9 +180,11 @@ class EngineBackend:
 @dataclass
 class EngineBackendFactory:
     model_args: argparse.Namespace
+    speculative: bool = False
+    draft_depth: Optional[int] = None
 
     def __call__(self) -> EngineBackend:
-        return EngineBackend(self.model_args)
+        return EngineBackend(self.model_args, self.speculative, self.draft_depth)
 
 
 # ---- the worker ---------------------------------------------------------------------------------------------
@@ -256,8 +258,9 @@ class RolloutWorker:
         make_env = (lambda: TimedEnv(self.make_env(), self.cfg.env_timeout_s)) if self.cfg.env_timeout_s else \
             self.make_env
         groups = run_groups(request.tasks, make_env, self._generate, episode, self.cfg.std_normalize)
+        pop = getattr(self.backend.generate, "pop_speculation", None)
         return RolloutResult(request.request_id, groups, start, time.perf_counter() - t0, self._swaps - swaps0,
-                             self._swap_s - swap_s0)
+                             self._swap_s - swap_s0, pop() if pop else {})
 
 
 # ---- Ray -----------------------------------------------------------------------------------------------------

@@ -100,9 +100,10 @@ def test_the_mode_catches_a_host_tensor_meeting_the_model(model):
         assert torch.nn.functional.embedding(ok, emb).shape == (1, 2, emb.size(1))
 
 
-@pytest.mark.parametrize("kind", ["batch", "groups", "speculative"])
+@pytest.mark.parametrize("kind", ["batch", "groups", "speculative", "speculative groups"])
 def test_engine_keeps_every_tensor_on_the_model_device(model, kind):
     from megatron_ext.inference.speculative import generate_speculative
+    from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
     engine = InferenceEngine(model)  # fresh: no tables cached from other tests
     rows = [SamplingParams(max_tokens=5, temperature=0.0, return_routing=True),
@@ -113,9 +114,11 @@ def test_engine_keeps_every_tensor_on_the_model_device(model, kind):
             outs = engine.generate([[1, 2, 3], [4, 5]], rows)
         elif kind == "groups":
             outs = [c for g in engine.generate_groups([[1, 2, 3], [4, 5]], 2, rows) for c in g]
+        elif kind == "speculative groups":
+            outs = [c for g in generate_speculative_groups(engine, [[1, 2, 3], [4, 5]], 2, rows) for c in g]
         else:
             outs = [generate_speculative(engine, [1, 2, 3], r) for r in rows]
-    expected = [r for r in rows for _ in range(2)] if kind == "groups" else rows
+    expected = [r for r in rows for _ in range(2)] if kind in ("groups", "speculative groups") else rows
     assert mode.checked > 100 and [len(c.token_ids) for c in outs] == [r.max_tokens for r in expected]
 
 
