@@ -3,19 +3,11 @@ carry the new version and their log-probabilities are the new weights' (teacher-
 old ones'."""
 
 import pytest
-import torch
 
 from megatron_ext.arguments import parse_args
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams, model_weights
-from megatron_ext.testing import init_layout_invariant_
 from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import build_model
-
-
-def _model(args, seed):
-    model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=seed))[0]
-    model.eval()
-    return model
+from tests.unit.test_engine_rl import _model, _teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +16,6 @@ def models():
     initialize_distributed(args)
     yield _model(args, 3), _model(args, 4), _model(args, 3)
     destroy()
-
-
-def _teacher_forced(model, ids):
-    tokens, pos = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)
-    with torch.no_grad():
-        return (-model(tokens[:, :-1], pos[:, :-1], None, labels=tokens[:, 1:])[0]).tolist()
 
 
 def test_swap_between_decode_steps_tags_and_scores_later_tokens_with_the_new_weights(models):
@@ -53,7 +39,7 @@ def test_swap_between_decode_steps_tags_and_scores_later_tokens_with_the_new_wei
     for prompt, c in zip(prompts, out):
         assert c.versions == [5, 5, 5, 6, 6, 6, 6]
         ids = prompt + c.token_ids
-        lp_old, lp_new = _teacher_forced(old, ids), _teacher_forced(new, ids)
+        lp_old, lp_new = _teacher_forced(old, ids)[0].tolist(), _teacher_forced(new, ids)[0].tolist()
         n = len(prompt)
         assert c.logprobs[:3] == pytest.approx(lp_old[n - 1: n + 2], abs=1e-5)
         assert c.logprobs[3:] == pytest.approx(lp_new[n + 2:], abs=1e-5)
