@@ -34,9 +34,10 @@ from megatron_ext.rl.rollout import EngineGenerate, EpisodeConfig, run_groups
 from megatron_ext.rl.types import Reward
 
 # launcher variables a Ray worker inherits from the torchrun rank that started Ray: a worker is its own
-# one-rank job and must not join the trainer's rendezvous
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+# one-rank job and must not join the trainer's rendezvous (TORCHELASTIC_USE_AGENT_STORE alone makes a tcp://
+# init wait forever for an agent's store), so these and every TORCHELASTIC_* variable are dropped
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -192,8 +193,8 @@ class RolloutWorker:
     """One rollout worker process (a Ray actor: `rollout` on the default thread, `stage` on a second one)."""
 
     def __init__(self, cfg: WorkerConfig, backend_factory: Callable[[], Any], make_env: Callable[[], Environment]):
-        for name in _LAUNCHER_VARS:
-            os.environ.pop(name, None)
+        for name in [v for v in os.environ if v in _LAUNCHER_VARS or v.startswith("TORCHELASTIC_")]:
+            os.environ.pop(name)
         torch.set_num_threads(cfg.threads)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
         self.cfg, self.make_env = cfg, make_env
