@@ -110,11 +110,14 @@ def main(argv=None):
     p.add_argument("--out", default="runs/rl_async")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--staleness", type=int, default=1, help="K of the asynchronous runs")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="sync/async pairs after the warm-up (0: skip them)")
     p.add_argument("--rl-iters", type=int, default=16)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--sft-iters", type=int, default=100)
+    p.add_argument("--scratch-length", type=int, default=24,
+                   help="also time a generation-heavy pair: untrained model (every response runs to this length), "
+                        "the same steps and prompts (0: skip)")
     p.add_argument("--sizes", type=int, nargs="*", default=[64, 128, 256, 512], help="hidden sizes for publication")
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "rl_async.png"))
     a = p.parse_args(argv)
@@ -129,35 +132,43 @@ def main(argv=None):
         run([sys.executable, "-W", "ignore", "rl_composer.py", *MODEL, "--rl-prompts", files["sft"], "--rl-sft-warmup",
              "--grpo-prompts-per-step", "32", "--train-iters", str(a.sft_iters), "--lr", "5e-3", "--lr-decay-style",
              "constant", "--grpo-kl-beta", "0", "--save", sft, "--log-interval", "50"], os.path.join(a.out, "sft.log"))
-    results = {0: [], a.staleness: []}
-    curves = {}
-    for rep in range(a.repeats):
-        for K in (0, a.staleness):  # alternating, so load changes on the machine hit both alike
-            log = os.path.join(a.out, f"k{K}_r{rep}.log")
-            run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                 "1", "rl_composer.py", *MODEL, "--load", sft, "--finetune", "--rl-prompts", files["rl"],
-                 "--train-iters", str(a.rl_iters), "--lr", "1e-3", "--lr-decay-style", "constant",
-                 "--grpo-group-size", str(a.group_size), "--grpo-prompts-per-step", str(a.prompts_per_step),
-                 "--rl-reward-weights", "exact=1,char_accuracy=0.5", "--log-interval", "1",
-                 "--rl-rollout-workers", str(a.workers), "--rl-max-staleness", str(K)], log)
-            recs = steps(log)
-            results[K].append(summary(recs, a.prompts_per_step * a.group_size))
-            curves.setdefault(K, []).append([r["reward mean"] for r in recs])
-    keys = ["samples/s", "step s", "wait s", "reference s", "train s", "publish s", "idle", "util", "stale",
-            "stale max", "spanning", "gate s"]
-    print("| run | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for K in (0, a.staleness):
-        for i, r in enumerate(results[K]):
-            print(f"| K={K} #{i + 1} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
-    mean = {K: sum(r["samples/s"] for r in results[K]) / len(results[K]) for K in results}
-    print(f"\nsamples trained per second: sync (K=0) {mean[0]:.2f}, async (K={a.staleness}) "
-          f"{mean[a.staleness]:.2f}: x{mean[a.staleness] / mean[0]:.2f}")
+    def pairs(name, model, start, repeats):
+        results, curves = {0: [], a.staleness: []}, {}
+        if not repeats:
+            return curves
+        for rep in range(repeats):
+            for K in (0, a.staleness):  # alternating, so load changes on the machine hit both alike
+                log = os.path.join(a.out, f"{name}_k{K}_r{rep}.log")
+                run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                     "1", "rl_composer.py", *model, *start, "--rl-prompts", files["rl"],
+                     "--train-iters", str(a.rl_iters), "--lr", "1e-3", "--lr-decay-style", "constant",
+                     "--grpo-group-size", str(a.group_size), "--grpo-prompts-per-step", str(a.prompts_per_step),
+                     "--rl-reward-weights", "exact=1,char_accuracy=0.5", "--log-interval", "1",
+                     "--rl-rollout-workers", str(a.workers), "--rl-max-staleness", str(K)], log)
+                recs = steps(log)
+                results[K].append(summary(recs, a.prompts_per_step * a.group_size))
+                curves.setdefault(K, []).append([r["reward mean"] for r in recs])
+        keys = ["samples/s", "step s", "wait s", "reference s", "train s", "publish s", "idle", "util", "stale",
+                "stale max", "spanning", "gate s"]
+        print(f"\n{name}:\n\n| run | " + " | ".join(keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
+        for K in (0, a.staleness):
+            for i, r in enumerate(results[K]):
+                print(f"| K={K} #{i + 1} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
+        mean = {K: sum(r["samples/s"] for r in results[K]) / len(results[K]) for K in results}
+        print(f"\n{name}: samples trained per second: sync (K=0) {mean[0]:.2f}, async (K={a.staleness}) "
+              f"{mean[a.staleness]:.2f}: x{mean[a.staleness] / mean[0]:.2f}", flush=True)
+        return curves
+
+    curves = pairs("after warm-up", MODEL, ["--load", sft, "--finetune"], a.repeats)
+    if a.scratch_length:
+        scratch = [f if f != MODEL[-1] else str(a.scratch_length) for f in MODEL]
+        pairs(f"untrained, {a.scratch_length}-token responses", scratch, [], 1)
     for K, runs in curves.items():
         n = min(len(c) for c in runs)
         avg = [sum(c[i] for c in runs) / len(runs) for i in range(n)]
         print(f"reward mean per step, K={K} (mean of {len(runs)} runs): " + " ".join(f"{x:.3f}" for x in avg))
-    if a.plot:
+    if a.plot and curves:
         import matplotlib
 
         matplotlib.use("Agg")
