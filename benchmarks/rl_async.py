@@ -138,7 +138,7 @@ def main(argv=None):
             return curves
         for rep in range(repeats):
             for K in (0, a.staleness):  # alternating, so load changes on the machine hit both alike
-                log = os.path.join(a.out, f"{name}_k{K}_r{rep}.log")
+                log = os.path.join(a.out, f"{name.split(',')[0].replace(' ', '_')}_k{K}_r{rep}.log")
                 run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                      "1", "rl_composer.py", *model, *start, "--rl-prompts", files["rl"],
                      "--train-iters", str(a.rl_iters), "--lr", "1e-3", "--lr-decay-style", "constant",
