@@ -78,6 +78,10 @@ class RolloutResult:
     speculation: dict = field(default_factory=dict)  # MTP drafts: drafted, accepted, main_forwards, tokens
 
 
+class Stopped(Exception):
+    """next_batch gave up waiting because the trainer was asked to stop."""
+
+
 class WorkerFailure(RuntimeError):
     """The rollout fleet cannot go on (Ray did not start, out of memory, workers keep dying): the run stops."""
 
@@ -267,9 +271,11 @@ class Orchestrator:
         self._busy_since[worker] = time.perf_counter()
 
     # ---- the trainer's side ------------------------------------------------------------------------------
-    def next_batch(self, step: int) -> Optional[tuple[list[Group], dict[str, float]]]:
+    def next_batch(self, step: int, stop: Callable[[], bool] = lambda: False
+                   ) -> Optional[tuple[list[Group], dict[str, float]]]:
         """The groups of slot `step` (all of them finished; fewer than P only at the end of the prompts) and the
-        step's metrics; None when every prompt was trained. Blocks while they are being generated."""
+        step's metrics; None when every prompt was trained. Blocks while they are being generated; raises
+        `Stopped` when `stop()` turns true meanwhile (a SIGTERM: the trainer saves and exits)."""
         if step != self.published:
             raise RuntimeError(f"next_batch({step}) while version {self.published} is the newest published: "
                                "publish the weights of every step first")
@@ -282,6 +288,8 @@ class Orchestrator:
                 return None
             if (hi - lo == P or self.ledger_exhausted()) and all(s in self.finished for s in range(lo, hi)):
                 break
+            if stop():
+                raise Stopped(f"stopped while waiting for the rollouts of step {step + 1}")
             self._pump(self.cfg.poll_s)
         waited = time.perf_counter() - t0
         taken = [self.finished.pop(s) for s in range(lo, hi)]

@@ -240,9 +240,18 @@ class RLTrainer:
         self.log(f"asynchronous RL: {fc.workers} rollout workers, --rl-max-staleness {fc.max_staleness}, "
                  f"{ocfg.prompts_per_request} prompt(s) per request", flush=True)
 
-    def _fleet_batch(self) -> Optional[tuple[list[Group], dict]]:
-        """The orchestrator's groups for this step (rank 0), on every rank."""
-        box = [self.orchestrator.next_batch(self.iteration) if self.rank == 0 else None]
+    def _fleet_batch(self):
+        """The orchestrator's groups for this step (rank 0), on every rank; "stop" when a SIGTERM arrived while
+        rank 0 waited for them."""
+        from megatron_ext.rl.orchestrator import Stopped
+
+        box = [None]
+        if self.rank == 0:
+            sigterm = getattr(self, "_sigterm", None)
+            try:
+                box[0] = self.orchestrator.next_batch(self.iteration, stop=lambda: bool(sigterm and sigterm.received))
+            except Stopped:
+                box[0] = "stop"
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -297,6 +306,8 @@ class RLTrainer:
             out = self._fleet_batch()
             if out is None:
                 return None
+            if out == "stop":
+                return {"stopped": True}
             groups, fleet_metrics = out
             _fault("generating", self.iteration)  # groups finished, not trained
             self.ledger.log_rollouts(self.iteration + 1, groups)
@@ -478,7 +489,7 @@ class RLTrainer:
         args, cfg, log = self.args, self.cfg, self.log
         print_args(args, log)
         logger = _Logger(args, log)
-        sigterm = _Sigterm()
+        sigterm = self._sigterm = _Sigterm()
         saved_at = self.iteration if args.load else None
         skipped_total = skipped_in_row = 0
         eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
@@ -488,6 +499,10 @@ class RLTrainer:
             while self.iteration < args.train_iters:
                 t0 = time.perf_counter()
                 result = self.step()
+                if result is not None and result.get("stopped"):
+                    log(f"SIGTERM received while waiting for rollouts: saving a checkpoint at iteration "
+                        f"{self.iteration} and exiting", flush=True)
+                    break
                 if result is None:
                     log(f"all {len(self.tasks)} prompts of --rl-prompts trained once: stopping at iteration "
                         f"{self.iteration}", flush=True)

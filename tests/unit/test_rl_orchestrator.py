@@ -12,7 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import pytest
 
 from megatron_ext.rl.ledger import Ledger
-from megatron_ext.rl.orchestrator import Orchestrator, OrchestratorConfig, RolloutResult, WorkerLost
+from megatron_ext.rl.orchestrator import Orchestrator, OrchestratorConfig, RolloutResult, Stopped, WorkerLost
 from megatron_ext.rl.types import Group, Reward, Rollout, Sample, Segment
 
 
@@ -171,3 +171,20 @@ def test_hung_environment_ends_its_episode_with_an_error_reward():
     assert result.done and result.observation == []
     reward = env.score()
     assert reward.total == 0.0 and "after 0.2 s" in reward.error and time.perf_counter() - t0 < 5
+
+
+def test_a_stop_request_ends_the_wait_for_a_batch():
+    """SIGTERM while the trainer waits for rollouts: next_batch gives up (the trainer then saves; the prompts in
+    flight are regenerated after the resume)."""
+    fleet = FakeFleet(1, random.Random(0))
+    fleet.hang_at = {1}
+    tasks = [{"id": f"p{i}"} for i in range(4)]
+    orch = Orchestrator(OrchestratorConfig(prompts_per_step=2, max_staleness=0, poll_s=0.01), fleet,
+                        Ledger([t["id"] for t in tasks]), {t["id"]: t for t in tasks}, version=0, weights=dict,
+                        log=lambda *a, **k: None)
+    t0 = time.perf_counter()
+    with pytest.raises(Stopped):
+        orch.next_batch(0, stop=lambda: time.perf_counter() - t0 > 0.2)
+    assert orch.ledger.in_flight and not orch.ledger.pending  # in flight: saved as such, generated again later
+    fleet.restart(0, 0, dict)  # release the hanging thread
+    fleet.pool.shutdown()
