@@ -13,6 +13,11 @@
     # an agent swarm: the trained orchestrator delegates to frozen sub-agents (PARL, megatron_ext/env/swarm.py)
     python rl_composer.py --rl-env swarm --swarm-subagent-policy endpoint:http://HOST:PORT ... (coding flags)
 
+    # asynchronous: generation on 2 Ray rollout workers (a local Ray instance; --ray-address joins a cluster),
+    # samples at most one weight version behind the trainer, weights published to the workers every step
+    torchrun --nproc-per-node 1 rl_composer.py --model tiny --vocab-size 32 --load ckpt/sft --save ckpt/rl \
+        --rl-prompts data/rl/train.jsonl --rl-rollout-workers 2 --rl-max-staleness 1 --train-iters 40
+
 Each prompt id of --rl-prompts is trained on exactly once, across kills and resumes (--rl-log-dir
 trained_groups.jsonl). Flags: `python rl_composer.py --help`, group "rl".
 """
@@ -27,10 +32,11 @@ import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Cor
 from megatron_ext.arguments import ArgumentError, parse_args
 from megatron_ext.env.arguments import add_env_args, add_swarm_args
 from megatron_ext.models.provider import print_parameter_counts
-from megatron_ext.rl.arguments import add_rl_args, loss_config, sampling_config, validate_rl_args
+from megatron_ext.rl.arguments import add_rl_args, fleet_config, loss_config, sampling_config, validate_rl_args
 from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, DigitEnv, Rubric, parse_weights,
                                  read_prompts)
 from megatron_ext.rl.coding import coding_data_provider
+from megatron_ext.rl.orchestrator import WorkerFailure
 from megatron_ext.rl.swarm import swarm_data_provider
 from megatron_ext.rl.trainer import RLConfig, RLTrainer
 from megatron_ext.training.checkpointing import CheckpointError
@@ -70,7 +76,8 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
                     eval_interval=args.rl_eval_interval, eval_samples=args.rl_eval_samples,
                     eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup,
                     speculative=args.rl_speculative, speculative_depth=args.rl_speculative_depth,
-                    remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir)
+                    remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir,
+                    fleet=fleet_config(args))
 
 
 def main(argv=None):
@@ -93,11 +100,17 @@ def main(argv=None):
     log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
     print_parameter_counts(args, log)
     try:
-        trainer = RLTrainer(args, cfg, tasks, make_env, log=log)
+        backend = None
+        if cfg.fleet is not None:  # each worker builds the trainer's model with the same provider, one process
+            from megatron_ext.rl.workers import EngineBackendFactory, worker_model_args
+
+            backend = EngineBackendFactory(worker_model_args(args), cfg.speculative,
+                                           cfg.speculative_depth)
+        trainer = RLTrainer(args, cfg, tasks, make_env, log=log, backend_factory=backend)
         if hasattr(make_env, "attach"):  # the swarm's pinned sub-agent policy copies the trainer's weights
             make_env.attach(trainer)
         trainer.train()
-    except (TrainingAborted, CheckpointError) as e:
+    except (TrainingAborted, CheckpointError, WorkerFailure) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         destroy()
         return 1

@@ -311,6 +311,11 @@ class InferenceEngine:
         if vocab_size is not None:
             self.set_vocab_size(vocab_size)
         self.weights_version = weights_version
+        # In-flight weight updates (RL rollout workers): called between decode steps of a batch; returns True when
+        # it changed the weights (update_weights). The batch then re-encodes its unfinished rows' tokens under the
+        # new weights (their cache is rebuilt, so later tokens' logprobs are exactly the new policy's) and tags
+        # the following tokens with the new weights_version.
+        self.between_steps: Optional[Callable[[], bool]] = None
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (a group's prompt counts once)
         self.layers = list(model.decoder.layers)
         for layer in self.layers:
@@ -886,6 +891,9 @@ class _Batch:
                 cache.keep(keep, used)
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
+            if eng.between_steps is not None and eng.between_steps():
+                cache = self._reencode(forward, max_len)
+                self.version = eng.weights_version
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
             routing = [] if record else None
             hidden = eng.hidden(new, lengths.unsqueeze(1), cache, lengths, routing)
@@ -901,6 +909,19 @@ class _Batch:
             active = going
         self._finish()
         return self.out
+
+    def _reencode(self, rows: list[int], max_len: int) -> LatentCache:
+        """A cache of `rows` (prompt and generated tokens but the newest, which the next step feeds) computed
+        with the current weights: after an in-flight update no latent of the old weights stays in use."""
+        eng = self.engine
+        seqs = [self.out[r].prompt_ids + self.out[r].token_ids[:-1] for r in rows]
+        width = max(len(s) for s in seqs)
+        cache = eng.new_cache(len(eng.layers), len(rows), max_len)
+        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=eng.device)
+        positions = torch.arange(width, device=eng.device).unsqueeze(0).expand(len(rows), -1).contiguous()
+        eng.hidden(tokens, positions, cache, torch.zeros(len(rows), dtype=torch.long, device=eng.device))
+        eng.prefill_tokens += sum(len(s) for s in seqs)
+        return cache
 
     def _sample(self, logits: torch.Tensor, active: list[int]) -> list[tuple[int, float, float]]:
         """(token, raw logprob, sampled logprob) for each active row: drawn from the row's sampling

@@ -82,6 +82,26 @@ def add_rl_args(parser: argparse.ArgumentParser):
     s.add_argument("--rl-remote-weights-dir", default=None,
                    help="directory every server can read (shared storage): each step's weights go to "
                         "DIR/v<version> as a weights-only checkpoint; older versions are removed")
+    a = parser.add_argument_group("rl-async", "asynchronous RL: generation on Ray rollout workers (orchestrator.py)")
+    a.add_argument("--rl-rollout-workers", type=int, default=0,
+                   help="rollout worker processes (Ray actors, each an inference engine replica plus environments); "
+                        "0: generate colocated on the trainer's ranks")
+    a.add_argument("--rl-max-staleness", type=int, default=0,
+                   help="admission control: a prompt does not start while the step that will train it is more than "
+                        "this many weight versions ahead of the newest published (0: synchronous)")
+    a.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (`ray start --head` prints it; 'auto' finds a local one); default: "
+                        "start a local Ray instance inside the run")
+    a.add_argument("--rl-prompts-per-request", type=int, default=0,
+                   help="prompts a worker generates in one engine batch (0: prompts per step / (2 x workers))")
+    a.add_argument("--rl-rollout-timeout", type=float, default=600.0,
+                   help="seconds a worker may work on one request before it is killed, replaced and its prompts "
+                        "requeued")
+    a.add_argument("--rl-env-timeout", type=float, default=300.0,
+                   help="seconds an environment call (step, score) may take; a hung one ends its episode with an "
+                        "error reward (0: no limit)")
+    a.add_argument("--rl-publish-full", action="store_true",
+                   help="publish every tensor each step (default: only the tensors that changed, when fewer bytes)")
 
 
 def validate_rl_args(args: argparse.Namespace):
@@ -130,6 +150,19 @@ def validate_rl_args(args: argparse.Namespace):
         if not 1 <= args.rl_speculative_depth <= mtp:
             fail(f"--rl-speculative-depth must be between 1 and --mtp-num-layers ({mtp}), got "
                  f"{args.rl_speculative_depth}")
+    if args.rl_rollout_workers < 0 or args.rl_max_staleness < 0 or args.rl_prompts_per_request < 0:
+        fail("--rl-rollout-workers, --rl-max-staleness and --rl-prompts-per-request must be >= 0")
+    if args.rl_rollout_workers:
+        if args.rl_sft_warmup:
+            fail("--rl-sft-warmup trains on reference answers, nothing to generate: drop --rl-rollout-workers")
+        if args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
+            fail("--rl-rollout-workers publishes rank 0's full weights to one-process workers, which needs "
+                 "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (data parallelism is fine)")
+        if args.rl_remote_servers:
+            fail("--rl-rollout-workers runs generation on Ray workers with local engines; remote servers "
+                 "(--rl-remote-servers) generate from the trainer's ranks: use one or the other")
+    elif args.ray_address or args.rl_max_staleness:
+        fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 
@@ -144,6 +177,17 @@ def loss_config(args: argparse.Namespace) -> LossConfig:
                           entropy_weight=args.grpo_entropy_term_weight)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+
+
+def fleet_config(args: argparse.Namespace):
+    from megatron_ext.rl.workers import FleetConfig
+
+    if not args.rl_rollout_workers:
+        return None
+    return FleetConfig(workers=args.rl_rollout_workers, max_staleness=args.rl_max_staleness,
+                       ray_address=args.ray_address, prompts_per_request=args.rl_prompts_per_request,
+                       request_timeout_s=args.rl_rollout_timeout, env_timeout_s=args.rl_env_timeout,
+                       delta=not args.rl_publish_full)
 
 
 def sampling_config(args: argparse.Namespace, stop_token_ids: tuple[int, ...]) -> Sampling:

@@ -85,6 +85,16 @@ class Ledger:
         out, self.pending = self.pending[:n], self.pending[n:]
         return out
 
+    def take_groups(self, prompt_ids: list[str]) -> list[Group]:
+        """The pending groups of these prompts, in that order (the asynchronous orchestrator's batches)."""
+        by_id = {g.prompt_id: g for g in self.pending}
+        missing = [p for p in prompt_ids if p not in by_id]
+        if missing:
+            raise RuntimeError(f"groups of {missing[:3]} are not pending: cannot train them")
+        wanted = set(prompt_ids)
+        self.pending = [g for g in self.pending if g.prompt_id not in wanted]
+        return [by_id[p] for p in prompt_ids]
+
     # ---- checkpoint state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "in_flight": list(self.in_flight),

@@ -9,7 +9,10 @@
 Generation replicas are the ranks that cooperate on one request (a tensor- and expert-parallel group); groups are
 dealt to replicas round-robin and to data-parallel ranks for training the same way. Everything else (schedules,
 optimizer, clipping, NaN skipping, checkpoints) is the pretraining step's (training/step.py, checkpointing.py).
-The next issue moves generation to separate workers; only `Generation` and the ledger's admission change.
+With `RLConfig.fleet` (--rl-rollout-workers N) generation runs on Ray rollout workers instead: rank 0's
+orchestrator (orchestrator.py) hands each step the groups of its slot, generated while earlier steps trained, with
+staleness bounded by admission control; the weights of every step are published to the workers (workers.py).
+The loss, batches and accounting are the same.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from megatron_ext.training.checkpointing import load_checkpoint, load_weights, s
 from megatron_ext.training.loop import TrainingAborted, _Logger, _Sigterm, print_args
 from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
     train_step
+from megatron_ext.rl.workers import FleetConfig
 
 
 @dataclass
@@ -66,6 +70,7 @@ class RLConfig:
     eval_samples: int = 4
     eval_temperature: float = 1.0
     sft_warmup: bool = False
+    fleet: Optional["FleetConfig"] = None  # generation on Ray rollout workers (asynchronous); None: colocated
     speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
     speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
     remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
@@ -160,7 +165,7 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
 
 class RLTrainer:
     def __init__(self, args: argparse.Namespace, cfg: RLConfig, tasks: list[dict], make_env: Callable[[], Environment],
-                 generate: Optional[GenerateFn] = None, log=print):
+                 generate: Optional[GenerateFn] = None, log=print, backend_factory=None):
         self.args, self.cfg, self.tasks, self.make_env, self.log = args, cfg, tasks, make_env, log
         self.by_id = {t["id"]: t for t in tasks}
         self.rank = dist.get_rank()
@@ -205,10 +210,59 @@ class RLTrainer:
             self.engine = InferenceEngine(self.model[0], weights_version=self.iteration)
             self.generate = EngineGenerate(self.engine, speculative=cfg.speculative,
                                            draft_depth=cfg.speculative_depth)
+        self.orchestrator = self.fleet = None
+        if cfg.fleet is not None:
+            self._start_fleet(cfg.fleet, backend_factory)
         dp = parallel_state.get_data_parallel_world_size()
         cp = parallel_state.get_context_parallel_world_size()
         self.pad_multiple = 2 * cp if cp > 1 else 1
         self.dp, self.dp_rank, self.cp = dp, parallel_state.get_data_parallel_rank(), cp
+
+    def _start_fleet(self, fc: FleetConfig, backend_factory):
+        """Rank 0: Ray (local or --ray-address), the rollout workers and the orchestrator."""
+        from megatron_ext.inference.engine import model_weights
+        from megatron_ext.rl.orchestrator import Orchestrator, OrchestratorConfig
+        from megatron_ext.rl.workers import RayFleet, WorkerConfig, start_ray
+
+        cfg = self.cfg
+        if self.rank != 0:
+            return
+        start_ray(fc.ray_address, num_cpus=max(2, fc.workers + 1), log=self.log)
+        episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
+        weights = partial(model_weights, self.model[0])
+        self.fleet = RayFleet(fc.workers, WorkerConfig(episode, cfg.std_normalize, fc.env_timeout_s), backend_factory,
+                              self.make_env, self.iteration, weights, delta=fc.delta,
+                              num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log)
+        ocfg = OrchestratorConfig(cfg.prompts_per_step, fc.max_staleness, fc.per_request(cfg.prompts_per_step),
+                                  request_timeout_s=fc.request_timeout_s, seed=self.args.seed)
+        self.orchestrator = Orchestrator(ocfg, self.fleet, self.ledger, self.by_id, self.iteration, weights,
+                                         log=self.log)
+        self.log(f"asynchronous RL: {fc.workers} rollout workers, --rl-max-staleness {fc.max_staleness}, "
+                 f"{ocfg.prompts_per_request} prompt(s) per request", flush=True)
+
+    def _fleet_batch(self):
+        """The orchestrator's groups for this step (rank 0), on every rank; "stop" when a SIGTERM arrived while
+        rank 0 waited for them."""
+        from megatron_ext.rl.orchestrator import Stopped
+
+        box = [None]
+        if self.rank == 0:
+            sigterm = getattr(self, "_sigterm", None)
+            try:
+                box[0] = self.orchestrator.next_batch(self.iteration, stop=lambda: bool(sigterm and sigterm.received))
+            except Stopped:
+                box[0] = "stop"
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self):
+        if self.fleet is not None:
+            import ray
+
+            self.fleet.close()
+            ray.shutdown()
+            self.fleet = self.orchestrator = None
 
     @staticmethod
     @torch.no_grad()
@@ -244,11 +298,23 @@ class RLTrainer:
 
     def step(self) -> Optional[dict]:
         args, cfg = self.args, self.cfg
-        timers = {}
-        t = time.perf_counter()
-        speculation = {}
-        admitted = self.ledger.admit(cfg.prompts_per_step)
-        groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
+        timers, fleet_metrics, speculation = {}, {}, {}
+        t = t_step = time.perf_counter()
+        if cfg.fleet is not None:
+            if self.fleet is not None and os.environ.get(FAULT_ENV) == f"worker:{self.iteration}":
+                os.kill(self.fleet.worker_pid(0), signal.SIGKILL)  # kill -9 a rollout worker mid-rollout
+            out = self._fleet_batch()
+            if out is None:
+                return None
+            if out == "stop":
+                return {"stopped": True}
+            groups, fleet_metrics = out
+            _fault("generating", self.iteration)  # groups finished, not trained
+            self.ledger.log_rollouts(self.iteration + 1, groups)
+            admitted = []
+        else:
+            admitted = self.ledger.admit(cfg.prompts_per_step)
+            groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
         if admitted and cfg.sft_warmup:
             new = reference_groups([self.by_id[p] for p in admitted], self.make_env)
             for g in new:
@@ -314,7 +380,7 @@ class RLTrainer:
 
         t = time.perf_counter()
         self.iteration += 1
-        self.publish_weights()
+        metrics.update(self.publish_weights())
         timers["weight update"] = time.perf_counter() - t
         self.ledger.log_trained(self.iteration, groups)
         _fault("trained", self.iteration)  # logged as trained, not yet saved
@@ -323,6 +389,9 @@ class RLTrainer:
         metrics["tokens/s sampled"] = sampled_tokens / max(timers["generate"], 1e-9)
         metrics["tokens/s trained"] = trained_tokens / max(timers["train"], 1e-9)
         metrics["groups"] = float(len(groups))
+        if cfg.fleet is not None:
+            metrics.update(fleet_metrics)
+            metrics["trainer idle fraction"] = timers["generate"] / max(time.perf_counter() - t_step, 1e-9)
         last = results[-1]
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
                 "skipped": any(r["skipped"] for r in results)}
@@ -352,13 +421,18 @@ class RLTrainer:
             dist.broadcast_object_list(box, src=0)
         self.make_env.use_weights(box[0])
 
-    def publish_weights(self):
+    def publish_weights(self) -> dict[str, float]:
         """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
-        only the version moves) and tag later tokens with the new version."""
+        only the version moves) and tag later tokens with the new version; with rollout workers, publish them
+        to the fleet; with remote servers, as a versioned directory they reload."""
+        stats = {}
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
         elif self.cfg.remote_servers:
             self._publish_remote()
+        if self.orchestrator is not None:
+            stats.update(self.orchestrator.publish(self.iteration))
+        return stats
 
     def _publish_remote(self):
         """A weights-only checkpoint of this version under --rl-remote-weights-dir/v<version> (every rank writes its
@@ -415,7 +489,7 @@ class RLTrainer:
         args, cfg, log = self.args, self.cfg, self.log
         print_args(args, log)
         logger = _Logger(args, log)
-        sigterm = _Sigterm()
+        sigterm = self._sigterm = _Sigterm()
         saved_at = self.iteration if args.load else None
         skipped_total = skipped_in_row = 0
         eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
@@ -425,6 +499,10 @@ class RLTrainer:
             while self.iteration < args.train_iters:
                 t0 = time.perf_counter()
                 result = self.step()
+                if result is not None and result.get("stopped"):
+                    log(f"SIGTERM received while waiting for rollouts: saving a checkpoint at iteration "
+                        f"{self.iteration} and exiting", flush=True)
+                    break
                 if result is None:
                     log(f"all {len(self.tasks)} prompts of --rl-prompts trained once: stopping at iteration "
                         f"{self.iteration}", flush=True)
@@ -433,6 +511,8 @@ class RLTrainer:
                 skipped_total += int(result["skipped"])
                 logger.step(self.iteration, result, time.perf_counter() - t0, self.optimizer.param_groups[0]["lr"],
                             skipped_total)
+                if self.orchestrator is not None and logger.writer is not None:
+                    logger.writer.add_histogram("staleness", self.orchestrator.last_staleness, self.iteration)
                 if skipped_in_row >= args.max_skipped:
                     raise TrainingAborted(
                         f"iteration {self.iteration}: {skipped_in_row} consecutive RL steps had a NaN/Inf loss or "
@@ -454,6 +534,7 @@ class RLTrainer:
         finally:
             sigterm.restore()
             logger.close()
+            self.close()
 
     def _eval(self, logger, eval_log):
         result = self.evaluate()
@@ -474,7 +555,8 @@ FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
 
 def _fault(point: str, iteration: int):
     """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
-    (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION."""
+    (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION (POINT `worker`: rank 0
+    kills rollout worker 0 instead, at the start of that step)."""
     if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
         os.kill(os.getpid(), signal.SIGKILL)
 

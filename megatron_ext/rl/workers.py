@@ -1,0 +1,425 @@
+"""Rollout workers as Ray actors, and the Ray fleet the orchestrator drives.
+
+A worker is one process: a generation backend (by default an InferenceEngine on the trainer's model code, built
+by the same model provider, single rank) plus its environments; it runs whole groups (G samples per prompt,
+multi-turn episodes, rewards) and returns them. Weights arrive on a second actor thread (`stage`) while the first
+one generates; the generating thread applies the newest staged weights before each generate call and between
+decode steps (the engine's `between_steps` hook), so a long rollout continues on new weights and every token
+records the version that drew it.
+
+The backend is any factory returning an object with `generate` (a GenerateFn), `apply(weights, version)` and
+`version`, optionally `set_between_steps(fn)`; `EngineBackend` is the local engine. The fleet takes such a
+factory, so a client of remote inference servers is another backend, not another worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import faulthandler
+import os
+import signal
+import threading
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from megatron_ext.rl.env import Environment, StepResult
+from megatron_ext.rl.orchestrator import RolloutRequest, RolloutResult, WorkerFailure, WorkerLost
+from megatron_ext.rl.rollout import EngineGenerate, EpisodeConfig, run_groups
+from megatron_ext.rl.types import Reward
+
+# launcher variables a Ray worker inherits from the torchrun rank that started Ray: a worker is its own
+# one-rank job and must not join the trainer's rendezvous (TORCHELASTIC_USE_AGENT_STORE alone makes a tcp://
+# init wait forever for an agent's store), so these and every TORCHELASTIC_* variable are dropped
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class FleetConfig:
+    """How the trainer runs generation outside itself (rl_composer.py's --rl-rollout-workers group)."""
+    workers: int
+    max_staleness: int = 0
+    ray_address: Optional[str] = None
+    prompts_per_request: int = 0       # 0: prompts per step / (2 x workers), at least 1
+    request_timeout_s: float = 600.0
+    env_timeout_s: float = 300.0
+    delta: bool = True                 # publish only changed tensors when that is fewer bytes
+
+    def per_request(self, prompts_per_step: int) -> int:
+        return self.prompts_per_request or max(1, prompts_per_step // (2 * self.workers))
+
+
+@dataclass
+class WorkerConfig:
+    episode: EpisodeConfig
+    std_normalize: bool = False
+    env_timeout_s: float = 300.0   # an environment call (step / score) running longer ends its episode
+    threads: int = 1               # torch intra-op threads of the worker process
+
+
+# ---- weights across processes ------------------------------------------------------------------------------
+def pack_weights(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """Host numpy arrays (zero-copy readable from Ray's object store); bf16/fp16 travel as raw 16-bit words."""
+    out = {}
+    for name, t in weights.items():
+        t = t.detach().to("cpu", copy=False).contiguous()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            out[name] = (t.view(torch.int16).numpy(), str(t.dtype).split(".")[1])
+        else:
+            out[name] = (t.numpy(), "")
+    return out
+
+
+def unpack_weights(packed: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    out = {}
+    with warnings.catch_warnings():  # arrays in the object store are read-only; they are only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        for name, (arr, dtype) in packed.items():
+            t = torch.from_numpy(arr)
+            out[name] = t.view(getattr(torch, dtype)) if dtype else t
+    return out
+
+
+def packed_bytes(packed: dict) -> int:
+    return sum(a.nbytes for a, _ in packed.values())
+
+
+# ---- environments with a time limit ------------------------------------------------------------------------
+class TimedEnv:
+    """An environment whose step / score run in a helper thread for at most `timeout_s`: a hung environment ends
+    its episode (scored 0 with an error naming the timeout) instead of holding the worker forever."""
+
+    def __init__(self, env: Environment, timeout_s: float):
+        self.env, self.timeout_s, self.timed_out = env, timeout_s, None
+
+    def _call(self, name, *a):
+        box = {}
+
+        def run():
+            try:
+                box["value"] = getattr(self.env, name)(*a)
+            except BaseException as e:  # re-raised in the calling thread
+                box["error"] = e
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            self.timed_out = f"environment {name}() still running after {self.timeout_s:g} s (--rl-env-timeout)"
+            return None
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def reset(self, task):
+        return self.env.reset(task)
+
+    def step(self, tokens) -> StepResult:
+        if self.timed_out:
+            return StepResult([], True)
+        out = self._call("step", tokens)
+        return StepResult([], True) if self.timed_out else out
+
+    def score(self):
+        if not self.timed_out:
+            out = self._call("score")
+            if not self.timed_out:
+                return out
+        return Reward({}, 0.0, self.timed_out)
+
+    def close(self):
+        if hasattr(self.env, "close"):
+            self.env.close()
+
+
+# ---- the local engine backend ------------------------------------------------------------------------------
+def worker_model_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The trainer's flags for a one-process replica: same architecture, no parallelism, nothing loaded (the
+    weights come from the trainer)."""
+    a = copy.copy(args)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "world_size"):
+        if hasattr(a, name):
+            setattr(a, name, 1)
+    a.load = None
+    a.sequence_parallel = False
+    return a
+
+
+class EngineBackend:
+    """An InferenceEngine on a fresh one-rank replica of the trainer's model (Megatron-Core's parallel state of
+    size 1 in this process; weights until the first `apply` are the initialisation's)."""
+
+    def __init__(self, model_args: argparse.Namespace, speculative: bool = False, draft_depth: Optional[int] = None):
+        from megatron_ext.inference.engine import InferenceEngine
+        from megatron_ext.training.initialize import initialize_distributed
+        from megatron_ext.training.step import build_model
+
+        initialize_distributed(model_args)
+        model = build_model(model_args, wrap_ddp=False)[0]
+        model.eval()
+        self.engine = InferenceEngine(model, weights_version=-1)
+        # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
+        self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth)
+
+    @property
+    def version(self) -> int:
+        return self.engine.weights_version
+
+    def apply(self, weights: dict[str, torch.Tensor], version: int):
+        self.engine.update_weights(weights.items(), version=version, strict=False)
+
+    def set_between_steps(self, fn: Callable[[], bool]):
+        self.engine.between_steps = fn
+
+
+@dataclass
+class EngineBackendFactory:
+    model_args: argparse.Namespace
+    speculative: bool = False
+    draft_depth: Optional[int] = None
+
+    def __call__(self) -> EngineBackend:
+        return EngineBackend(self.model_args, self.speculative, self.draft_depth)
+
+
+# ---- the worker ---------------------------------------------------------------------------------------------
+class RolloutWorker:
+    """One rollout worker process (a Ray actor: `rollout` on the default thread, `stage` on a second one)."""
+
+    def __init__(self, cfg: WorkerConfig, backend_factory: Callable[[], Any], make_env: Callable[[], Environment]):
+        for name in [v for v in os.environ if v in _LAUNCHER_VARS or v.startswith("TORCHELASTIC_")]:
+            os.environ.pop(name)
+        torch.set_num_threads(cfg.threads)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
+        self.cfg, self.make_env = cfg, make_env
+        self.backend = backend_factory()
+        self._cond = threading.Condition()
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: Optional[int] = None
+        self._swaps, self._swap_s = 0, 0.0
+        if hasattr(self.backend, "set_between_steps"):
+            self.backend.set_between_steps(self._swap)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stage(self, packed: dict, version: int, full: bool = False) -> float:
+        """Receive a publication (all weights, or the ones that changed since the previous version); applied by
+        the generating thread at its next chance. Returns the seconds spent here."""
+        t0 = time.perf_counter()
+        weights = unpack_weights(packed)
+        with self._cond:
+            if full:
+                self._staged = {}
+            self._staged.update(weights)
+            self._staged_version = version if self._staged_version is None else max(version, self._staged_version)
+            self._cond.notify_all()
+        return time.perf_counter() - t0
+
+    def _swap(self) -> bool:
+        with self._cond:
+            if self._staged_version is None or self._staged_version <= self.backend.version:
+                return False
+            weights, version = self._staged, self._staged_version
+            self._staged, self._staged_version = {}, None
+        t0 = time.perf_counter()
+        self.backend.apply(weights, version)
+        self._swaps += 1
+        self._swap_s += time.perf_counter() - t0
+        return True
+
+    def _generate(self, prompts, n, sampling):
+        self._swap()  # each turn starts on the newest weights received
+        return self.backend.generate(prompts, n, sampling)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling) -> list:
+        """One generate request outside the orchestrator's rollouts (e.g. a sub-agent's turn): the GenerateFn
+        signature, on the newest weights this worker has."""
+        return self._generate(prompts, n, sampling)
+
+    def rollout(self, request: RolloutRequest) -> RolloutResult:
+        with self._cond:  # weights at least as new as the trainer's when the request was dispatched
+            def ready():
+                staged = -1 if self._staged_version is None else self._staged_version
+                return max(self.backend.version, staged) >= request.min_version
+            if not self._cond.wait_for(ready, timeout=600):
+                raise RuntimeError(f"weights version {request.min_version} never reached this worker")
+        t0 = time.perf_counter()
+        swaps0, swap_s0 = self._swaps, self._swap_s
+        self._swap()
+        start = self.backend.version
+        ep = self.cfg.episode
+        episode = replace(ep, sampling=replace(ep.sampling, seed=request.seed))
+        make_env = (lambda: TimedEnv(self.make_env(), self.cfg.env_timeout_s)) if self.cfg.env_timeout_s else \
+            self.make_env
+        groups = run_groups(request.tasks, make_env, self._generate, episode, self.cfg.std_normalize)
+        pop = getattr(self.backend.generate, "pop_speculation", None)
+        return RolloutResult(request.request_id, groups, start, time.perf_counter() - t0, self._swaps - swaps0,
+                             self._swap_s - swap_s0, pop() if pop else {})
+
+
+# ---- Ray -----------------------------------------------------------------------------------------------------
+def start_ray(address: Optional[str], num_cpus: int, log=print):
+    """Join the cluster at `address`, or start a local instance in this process; a clear error when neither
+    works. Workers get this checkout's code (local: PYTHONPATH; cluster: shipped as a py_module)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    import megatron_ext
+
+    pkg = os.path.dirname(os.path.abspath(megatron_ext.__file__))
+    env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        if address:
+            ray.init(address=address, runtime_env={"py_modules": [pkg], "env_vars": env_vars},
+                     log_to_driver=True)
+        else:
+            env_vars["PYTHONPATH"] = os.pathsep.join([os.path.dirname(pkg)] + [p for p in os.environ.get(
+                "PYTHONPATH", "").split(os.pathsep) if p])
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars},
+                     log_to_driver=True)
+    except Exception as e:  # noqa: BLE001 (Ray raises many types; all mean the same here)
+        where = f"join the Ray cluster at --ray-address {address}" if address else "start a local Ray instance"
+        raise WorkerFailure(f"could not {where}: {type(e).__name__}: {e}. "
+                           + ("Check that `ray start --head` runs there and the address/port is reachable"
+                              if address else "Check free memory and /tmp space (Ray's object store and logs "
+                              "live there), or start one with `ray start --head` and pass --ray-address")) from e
+    log(f"Ray: {'joined ' + address if address else 'local instance started'} "
+        f"({ray.cluster_resources().get('CPU', 0):g} CPUs)", flush=True)
+
+
+def _actor_class(ray):
+    """RolloutWorker as a Ray actor whose `stage` runs on its own thread, beside `rollout`."""
+
+    class _RayRolloutWorker(RolloutWorker):
+        @ray.method(concurrency_group="weights")
+        def stage(self, packed: dict, version: int, full: bool = False) -> float:
+            return super().stage(packed, version, full)
+
+        @ray.method(concurrency_group="weights")
+        def pid(self) -> int:  # answered while a rollout runs
+            return super().pid()
+
+    return ray.remote(concurrency_groups={"weights": 1})(_RayRolloutWorker)
+
+
+class RayFleet:
+    """`Fleet` over Ray actors. Publication: the weights go into the object store once per version (ray.put)
+    and every worker reads them from there (shared memory on its node); only the tensors that changed since the
+    previous version when that is fewer bytes (`delta`)."""
+
+    def __init__(self, size: int, cfg: WorkerConfig, backend_factory, make_env, version: int,
+                 weights: Callable[[], dict], delta: bool = True, num_gpus: float = 0.0, log=print):
+        import ray
+
+        self.ray, self.size, self.log = ray, size, log
+        self.actor_cls = _actor_class(ray)
+        self._args = (cfg, backend_factory, make_env)
+        self.num_gpus, self.delta = num_gpus, delta
+        self._last: Optional[dict[str, torch.Tensor]] = None
+        self.actors = [None] * size
+        self.pids: list[Optional[int]] = [None] * size
+        full = self._pack_full(weights)
+        for w in range(size):
+            self._start(w, full, version)
+
+    def _pack_full(self, weights: Callable[[], dict]):
+        current = weights()
+        if self.delta:
+            self._last = {k: v.detach().to("cpu", copy=True) for k, v in current.items()}
+        return self.ray.put(pack_weights(current))
+
+    def _start(self, w: int, full_ref, version: int):
+        actor = self.actor_cls.options(num_cpus=1, num_gpus=self.num_gpus, max_restarts=0,
+                                       name=None).remote(*self._args)
+        actor.stage.remote(full_ref, version, True)
+        self.actors[w] = actor
+        self.pids[w] = None
+
+    def worker_pid(self, w: int) -> int:
+        if self.pids[w] is None:
+            self.pids[w] = self.ray.get(self.actors[w].pid.remote())
+        return self.pids[w]
+
+    # Fleet
+    def submit(self, worker: int, request):
+        ref = self.actors[worker].rollout.remote(request)
+        return ref
+
+    def wait(self, handles: list, timeout: float) -> list:
+        ready, rest = self.ray.wait(handles, num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = self.ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        return ready
+
+    def result(self, handle) -> RolloutResult:
+        ex = self.ray.exceptions
+        try:
+            return self.ray.get(handle)
+        except ex.OutOfMemoryError as e:
+            raise WorkerLost(f"Ray's memory monitor killed the worker: {e}. Lower --grpo-prompts-per-step, "
+                             "--rl-prompts-per-request or --rl-rollout-workers, or give the node more memory",
+                             fatal=True) from e
+        except (ex.RayActorError, ex.ActorUnavailableError, ex.WorkerCrashedError, ex.ObjectLostError) as e:
+            if "memory monitor" in str(e):
+                raise WorkerLost(f"Ray's memory monitor killed the worker: {str(e).splitlines()[0]}", fatal=True) \
+                    from e
+            raise WorkerLost(f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+    def publish(self, version: int, weights: Callable[[], dict]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        current = weights()
+        full_bytes = sum(t.numel() * t.element_size() for t in current.values())
+        send, is_full = current, True
+        if self.delta and self._last is not None:
+            changed = {k: v for k, v in current.items() if not torch.equal(v.detach().cpu(), self._last[k])}
+            changed_bytes = sum(t.numel() * t.element_size() for t in changed.values())
+            if changed_bytes < full_bytes:
+                send, is_full = changed, False
+            for k, v in changed.items():
+                self._last[k].copy_(v.detach())
+        packed = pack_weights(send)
+        ref = self.ray.put(packed)
+        for actor in self.actors:
+            actor.stage.remote(ref, version, is_full)
+        return {"publish seconds": time.perf_counter() - t0, "publish bytes": float(packed_bytes(packed)),
+                "publish bytes full": float(full_bytes)}
+
+    def restart(self, worker: int, version: int, weights: Callable[[], dict]):
+        try:
+            self.ray.kill(self.actors[worker], no_restart=True)
+        except Exception:  # noqa: BLE001 (already dead)
+            pass
+        current = weights()
+        self._start(worker, self.ray.put(pack_weights(current)), version)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling):
+        """Submit a single generate request to the fleet (round-robin over the workers; queued behind their
+        rollouts); returns a Ray ObjectRef of `list[list[Sample]]`. `FleetGenerate` wraps it as a GenerateFn."""
+        self._next = (getattr(self, "_next", -1) + 1) % self.size
+        return self.actors[self._next].generate.remote(prompts, n, sampling)
+
+    def close(self):
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class FleetGenerate:
+    """A GenerateFn over the rollout fleet (blocking), for callers outside the orchestrator (agent harnesses)."""
+
+    def __init__(self, fleet: RayFleet):
+        self.fleet = fleet
+
+    def __call__(self, prompts, n, sampling):
+        return self.fleet.ray.get(self.fleet.generate(prompts, n, sampling))

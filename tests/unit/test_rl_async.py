@@ -1,0 +1,90 @@
+"""rl_composer.py with Ray rollout workers (--rl-rollout-workers): the asynchronous loop end to end, exactly-once
+accounting with a rollout worker killed (kill -9) mid-run and with the trainer killed and resumed (the workers
+are restarted with it), staleness within --rl-max-staleness on every trained token."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from megatron_ext.rl.env import digit_tasks
+from megatron_ext.rl.ledger import trained_counts
+from tests.unit.test_rl_composer import TINY, _jsonl, _prompts, _run
+
+ASYNC = ["--rl-rollout-workers", "2", "--rl-max-staleness", "1"]
+
+
+def _ray_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.fixture
+def no_ray_left():
+    """After the test, no Ray process that was not there before it (other jobs on the machine may run Ray);
+    a killed session's processes take a moment to go."""
+    before = _ray_pids()
+
+    def check():
+        deadline = time.time() + 20
+        while _ray_pids() - before and time.time() < deadline:
+            time.sleep(0.5)
+        assert not _ray_pids() - before, f"Ray processes left behind: {_ray_pids() - before}"
+    return check
+
+
+def _check_staleness(logs, K):
+    for r in _jsonl(os.path.join(logs, "trained_groups.jsonl")):
+        # trained at step s by the weights of version s - 1; sampled by versions s - 1 - K .. s - 1
+        assert all(r["step"] - 1 - K <= v <= r["step"] - 1 for v in r["policy_versions"]), r
+
+
+@pytest.mark.slow
+def test_async_run_survives_a_killed_worker_and_trains_each_prompt_once(tmp_path, no_ray_left):
+    prompts, logs = _prompts(tmp_path, 10), str(tmp_path / "logs")
+    p = _run(TINY + ASYNC + ["--rl-prompts", prompts, "--rl-log-dir", logs, "--train-iters", "100"],
+             fault="worker:1")
+    out = p.stdout
+    assert "asynchronous RL: 2 rollout workers, --rl-max-staleness 1" in out
+    assert "worker 0 lost" in out and "prompt(s) requeued, worker restarted" in out
+    assert "all 10 prompts of --rl-prompts trained once: stopping at iteration 5" in out
+    for name in ("staleness mean", "staleness max", "samples spanning versions", "queue in flight",
+                 "seconds gate blocked", "trainer idle fraction", "worker utilisation", "publish seconds",
+                 "publish bytes"):
+        assert name + ":" in out, name
+    staleness = [float(line.split("staleness max: ")[1].split()[0]) for line in out.splitlines()
+                 if "staleness max" in line]
+    assert len(staleness) == 5 and max(staleness) <= 1
+    assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 10, seed=7)}
+    _check_staleness(logs, 1)
+    assert len(_jsonl(os.path.join(logs, "rollouts.jsonl"))) == 10 * 4
+    no_ray_left()
+
+
+@pytest.mark.slow
+def test_async_exactly_once_across_trainer_kills_and_resumes(tmp_path, no_ray_left):
+    prompts, logs, save = _prompts(tmp_path, 10), str(tmp_path / "logs"), str(tmp_path / "ckpt")
+    flags = TINY + ASYNC + ["--rl-prompts", prompts, "--rl-log-dir", logs, "--train-iters", "100", "--save", save,
+                            "--load", save, "--save-interval", "1"]
+    for fault in ("generating:1", "trained:3"):
+        p = _run(flags, fault=fault, check=False)
+        assert p.returncode == -9, (fault, p.returncode, p.stderr[-2000:])
+        no_ray_left()  # the trainer's session took its local Ray instance with it
+    p = _run(flags)
+    assert "all 10 prompts of --rl-prompts trained once" in p.stdout
+    assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 10, seed=7)}
+    steps = [r["step"] for r in _jsonl(os.path.join(logs, "trained_groups.jsonl"))]
+    assert steps == sorted(steps)
+    _check_staleness(logs, 1)
+    no_ray_left()
+
+
+def test_worker_flags_are_validated(tmp_path):
+    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-max-staleness", "2"], check=False)
+    assert p.returncode == 2 and "add --rl-rollout-workers N" in p.stderr
+    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-rollout-workers", "2", "--rl-sft-warmup"],
+             check=False)
+    assert p.returncode == 2 and "drop --rl-rollout-workers" in p.stderr
