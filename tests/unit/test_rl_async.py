@@ -88,3 +88,28 @@ def test_worker_flags_are_validated(tmp_path):
     p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-rollout-workers", "2", "--rl-sft-warmup"],
              check=False)
     assert p.returncode == 2 and "drop --rl-rollout-workers" in p.stderr
+
+
+def test_async_run_under_torchrun(tmp_path, no_ray_left):
+    """The asynchronous path as users launch it: torchrun (its launcher variables reach the Ray workers, which must
+    not join the trainer's rendezvous). Each prompt trained once, staleness logged and within the bound, Ray gone
+    afterwards."""
+    import sys
+
+    from tests.unit.test_rl_composer import ENV, ROOT
+
+    prompts, logs = _prompts(tmp_path, 6), str(tmp_path / "logs")
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
+           "rl_composer.py", *TINY, *ASYNC, "--rl-prompts", prompts, "--rl-log-dir", logs, "--train-iters", "100"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = p.stdout
+    assert "asynchronous RL: 2 rollout workers, --rl-max-staleness 1" in out
+    assert "all 6 prompts of --rl-prompts trained once: stopping at iteration 3" in out
+    staleness = [float(line.split("staleness max: ")[1].split()[0]) for line in out.splitlines()
+                 if "staleness max" in line]
+    assert len(staleness) == 3 and max(staleness) <= 1
+    assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 6, seed=7)}
+    _check_staleness(logs, 1)
+    no_ray_left()
