@@ -358,3 +358,58 @@ def test_rl_composer_generates_on_remote_servers(tmp_path, nproc, extra):
         assert len(agreement) == 2 and min(agreement) > 0.99  # the server routed as the trainer's weights do
         acceptance = [x for x in p.stdout.splitlines() if " iteration " in x and "mtp acceptance" in x]
         assert len(acceptance) == (2 if extra else 0)
+
+
+def test_async_orchestrator_over_remote_servers_requeues_a_killed_servers_prompts(fleet):
+    """The asynchronous orchestrator with RemoteFleet: 2 request slots on each of two servers (one in-process, one a
+    tools/serve.py process SIGKILLed after the first step). Every prompt is trained once, every trained token's
+    version (as the servers report it) is within --rl-max-staleness of its step, the dead server's prompts are
+    requeued on the live one, and each publication reaches the live server by path."""
+    from megatron_ext.rl.env import VOCAB, DigitEnv, digit_tasks
+    from megatron_ext.rl.ledger import Ledger
+    from megatron_ext.rl.orchestrator import Orchestrator, OrchestratorConfig
+    from megatron_ext.rl.remote_fleet import RemoteFleet
+    from megatron_ext.rl.rollout import EpisodeConfig
+    from megatron_ext.rl.workers import WorkerConfig
+
+    urls, _, jobs, save = fleet
+    K, P = 1, 2
+    tasks = digit_tasks("train", 10, seed=7)
+    sampling = Sampling(max_tokens=6, temperature=1.0, stop_token_ids=(VOCAB.eos,))
+    cfg = WorkerConfig(EpisodeConfig(2, sampling, 1, 6), env_timeout_s=30)
+    logs = []
+    with _serve_subprocess("--model", "tiny") as (proc, doomed):
+        RemoteGenerate([urls[0], doomed]).reload(save, 0)  # both start from the same weights, version 0
+        remote = RemoteFleet([urls[0], doomed], 4, cfg, DigitEnv, path_of=lambda v: save,
+                             log=lambda *a, **k: logs.append(a[0]))
+        assert remote.server_of == [urls[0], doomed, urls[0], doomed]
+        ledger = Ledger([t["id"] for t in tasks])
+        orch = Orchestrator(OrchestratorConfig(P, K, prompts_per_request=1, requests_per_worker=1, poll_s=0.01), remote, ledger,
+                            {t["id"]: t for t in tasks}, version=0, weights=dict, log=lambda *a, **k: None)
+        before = jobs[0][0]
+        trained, metrics, step = [], [], 0
+        try:
+            while (out := orch.next_batch(step)) is not None:
+                groups, m = out
+                metrics.append(m)
+                for g in groups:
+                    assert len(g.rollouts) == 2
+                    for r in g.rollouts:
+                        assert r.versions and all(0 <= step - v <= K for v in r.versions), (step, r.versions)
+                    trained.append(g.prompt_id)
+                step += 1
+                stats = orch.publish(step)
+                if step == 1:  # mid-run: publish dispatched step 2's prompts, some to each server
+                    assert doomed in [remote.server_of[f.worker] for f in orch.inflight.values()]
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                assert stats["publish bytes"] > 0
+                assert RemoteGenerate([urls[0]]).versions() == {urls[0]: step}
+        finally:
+            remote.close()
+    assert sorted(trained) == sorted(t["id"] for t in tasks)  # each prompt once, none dropped
+    assert step == 5 and max(m["staleness max"] for m in metrics) <= K
+    assert sum(m["requeued prompts"] for m in metrics) >= 1
+    assert remote.dead == {doomed} and remote.server_of == [urls[0]] * 4
+    assert any(f"remote server {doomed} is down" in line for line in logs)
+    assert jobs[0][0] - before >= 2 * len(tasks) // 2  # the live server generated at least its share
