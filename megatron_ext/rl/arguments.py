@@ -85,7 +85,9 @@ def add_rl_args(parser: argparse.ArgumentParser):
     a = parser.add_argument_group("rl-async", "asynchronous RL: generation on Ray rollout workers (orchestrator.py)")
     a.add_argument("--rl-rollout-workers", type=int, default=0,
                    help="rollout worker processes (Ray actors, each an inference engine replica plus environments); "
-                        "0: generate colocated on the trainer's ranks")
+                        "with --rl-remote-servers: request slots spread over the servers (asynchronous over them, "
+                        "environments on rank 0's threads, no Ray); 0: generate colocated on the trainer's ranks "
+                        "(or synchronously on the remote servers)")
     a.add_argument("--rl-max-staleness", type=int, default=0,
                    help="admission control: a prompt does not start while the step that will train it is more than "
                         "this many weight versions ahead of the newest published (0: synchronous)")
@@ -155,12 +157,18 @@ def validate_rl_args(args: argparse.Namespace):
     if args.rl_rollout_workers:
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup trains on reference answers, nothing to generate: drop --rl-rollout-workers")
-        if args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
+        if args.rl_remote_servers:  # the asynchronous fleet over the servers (remote_fleet.py): no Ray
+            if args.rl_rollout_workers < len(args.rl_remote_servers):
+                fail(f"--rl-rollout-workers {args.rl_rollout_workers} with {len(args.rl_remote_servers)} "
+                     "--rl-remote-servers: give at least one request slot per server (e.g. --rl-rollout-workers "
+                     f"{2 * len(args.rl_remote_servers)})")
+            if args.ray_address:
+                fail("--ray-address is unused with --rl-remote-servers: the servers generate and the environments "
+                     "run on rank 0's threads; drop --ray-address")
+        elif args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
             fail("--rl-rollout-workers publishes rank 0's full weights to one-process workers, which needs "
-                 "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (data parallelism is fine)")
-        if args.rl_remote_servers:
-            fail("--rl-rollout-workers runs generation on Ray workers with local engines; remote servers "
-                 "(--rl-remote-servers) generate from the trainer's ranks: use one or the other")
+                 "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (data parallelism is fine); "
+                 "with TP/EP generate on --rl-remote-servers instead (they reload a sharded checkpoint)")
     elif args.ray_address or args.rl_max_staleness:
         fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:

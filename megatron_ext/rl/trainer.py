@@ -227,17 +227,25 @@ class RLTrainer:
         cfg = self.cfg
         if self.rank != 0:
             return
-        start_ray(fc.ray_address, num_cpus=max(2, fc.workers + 1), log=self.log)
         episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
-        weights = partial(model_weights, self.model[0])
-        self.fleet = RayFleet(fc.workers, WorkerConfig(episode, cfg.std_normalize, fc.env_timeout_s), backend_factory,
-                              self.make_env, self.iteration, weights, delta=fc.delta,
-                              num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log)
+        wcfg = WorkerConfig(episode, cfg.std_normalize, fc.env_timeout_s)
+        if cfg.remote_servers:  # request slots on the servers; the weights travel as DIR/v<version> (publish_weights)
+            from megatron_ext.rl.remote_fleet import RemoteFleet
+
+            weights = dict  # the servers reload by path: the orchestrator never hands tensors over
+            self.fleet = RemoteFleet(cfg.remote_servers, fc.workers, wcfg, self.make_env, self._remote_path,
+                                     speculative=cfg.speculative, log=self.log)
+        else:
+            start_ray(fc.ray_address, num_cpus=max(2, fc.workers + 1), log=self.log)
+            weights = partial(model_weights, self.model[0])
+            self.fleet = RayFleet(fc.workers, wcfg, backend_factory, self.make_env, self.iteration, weights,
+                                  delta=fc.delta, num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log)
         ocfg = OrchestratorConfig(cfg.prompts_per_step, fc.max_staleness, fc.per_request(cfg.prompts_per_step),
                                   request_timeout_s=fc.request_timeout_s, seed=self.args.seed)
         self.orchestrator = Orchestrator(ocfg, self.fleet, self.ledger, self.by_id, self.iteration, weights,
                                          log=self.log)
-        self.log(f"asynchronous RL: {fc.workers} rollout workers, --rl-max-staleness {fc.max_staleness}, "
+        where = f" over {len(cfg.remote_servers)} remote server(s)" if cfg.remote_servers else ""
+        self.log(f"asynchronous RL: {fc.workers} rollout workers{where}, --rl-max-staleness {fc.max_staleness}, "
                  f"{ocfg.prompts_per_request} prompt(s) per request", flush=True)
 
     def _fleet_batch(self):
@@ -258,10 +266,11 @@ class RLTrainer:
 
     def close(self):
         if self.fleet is not None:
-            import ray
-
             self.fleet.close()
-            ray.shutdown()
+            if not self.cfg.remote_servers:
+                import ray
+
+                ray.shutdown()
             self.fleet = self.orchestrator = None
 
     @staticmethod
@@ -428,30 +437,38 @@ class RLTrainer:
         stats = {}
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
+        elif self.cfg.remote_servers and self.cfg.fleet is not None:
+            self._publish_remote(reload=lambda path: stats.update(self.orchestrator.publish(self.iteration)))
+            return stats
         elif self.cfg.remote_servers:
             self._publish_remote()
         if self.orchestrator is not None:
             stats.update(self.orchestrator.publish(self.iteration))
         return stats
 
-    def _publish_remote(self):
+    def _remote_path(self, version: int) -> str:
+        return os.path.join(self.cfg.remote_weights_dir, f"v{version}")
+
+    def _publish_remote(self, reload: Optional[Callable[[str], None]] = None):
         """A weights-only checkpoint of this version under --rl-remote-weights-dir/v<version> (every rank writes its
-        shards), then every server loads it and reports the version (rank 0 asks; all ranks learn the outcome and
-        a failure stops the run naming the servers); older versions' directories are removed."""
+        shards), then every server loads it and reports the version (rank 0 asks, through `reload` when given: the
+        asynchronous fleet's publication; all ranks learn the outcome and a failure stops the run naming the
+        servers); older versions' directories are removed."""
         import copy
         import shutil
 
+        from megatron_ext.rl.orchestrator import WorkerFailure
         from megatron_ext.rl.remote import RemoteServerError
 
-        root = os.path.join(self.cfg.remote_weights_dir, f"v{self.iteration}")
+        root = self._remote_path(self.iteration)
         wargs = copy.copy(self.args)
         wargs.save, wargs.no_save_optim = root, True
         save_checkpoint(wargs, self.iteration, self.model, None, None)
         box = [None]
         if self.rank == 0:
             try:
-                self.generate.reload(root, self.iteration)
-            except RemoteServerError as e:
+                (reload or (lambda path: self.generate.reload(path, self.iteration)))(root)
+            except (RemoteServerError, WorkerFailure) as e:
                 box[0] = str(e)
             for name in os.listdir(self.cfg.remote_weights_dir):
                 if name.startswith("v") and name != os.path.basename(root):

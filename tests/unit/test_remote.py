@@ -413,3 +413,32 @@ def test_async_orchestrator_over_remote_servers_requeues_a_killed_servers_prompt
     assert remote.dead == {doomed} and remote.server_of == [urls[0]] * 4
     assert any(f"remote server {doomed} is down" in line for line in logs)
     assert jobs[0][0] - before >= 2 * len(tasks) // 2  # the live server generated at least its share
+
+
+def test_rl_composer_async_over_remote_servers(tmp_path):
+    """rl_composer.py --rl-remote-servers URL --rl-rollout-workers 2 --rl-max-staleness 1: the asynchronous loop on
+    a tools/serve.py server (no Ray): each prompt trained once, every trained token's version (the server's) within
+    the bound, each step's weights reloaded by path."""
+    from megatron_ext.rl.env import digit_tasks
+    from megatron_ext.rl.ledger import trained_counts
+    from tests.unit.test_rl_composer import TINY, _prompts, _run
+
+    with _serve_subprocess(*TINY[:6]) as (_, url):
+        logs, weights = str(tmp_path / "logs"), str(tmp_path / "weights")
+        p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 6), "--rl-log-dir", logs, "--train-iters", "100",
+                         "--rl-remote-servers", url, "--rl-remote-weights-dir", weights,
+                         "--rl-rollout-workers", "2", "--rl-max-staleness", "1"])
+        assert "asynchronous RL: 2 rollout workers over 1 remote server(s), --rl-max-staleness 1" in p.stdout
+        assert "all 6 prompts of --rl-prompts trained once: stopping at iteration 3" in p.stdout
+        assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 6, seed=7)}
+        trained = [json.loads(x) for x in open(os.path.join(logs, "trained_groups.jsonl"))]
+        assert [r["step"] for r in trained] == [1, 1, 2, 2, 3, 3]
+        assert all(r["step"] - 2 <= v <= r["step"] - 1 for r in trained for v in r["policy_versions"]), trained
+        staleness = [float(x.split("staleness max: ")[1].split()[0]) for x in p.stdout.splitlines()
+                     if "staleness max" in x]
+        assert len(staleness) == 3 and max(staleness) <= 1
+        assert RemoteGenerate([url]).versions() == {url: 3} and os.listdir(weights) == ["v3"]
+    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-remote-servers", "http://127.0.0.1:1",
+                     "--rl-remote-weights-dir", weights, "--rl-rollout-workers", "2", "--ray-address", "auto"],
+             check=False)
+    assert p.returncode == 2 and "drop --ray-address" in p.stderr
