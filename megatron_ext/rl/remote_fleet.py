@@ -10,8 +10,8 @@
     publish(version): the trainer has written DIR/v<version> (a weights-only checkpoint, every rank its shards);
         every live server loads it (POST /update_weights_from_disk) and reports the version before publish returns,
         so a request dispatched afterwards draws its first token from weights at least that new (the admission
-        gate's guarantee). Our server swaps weights between engine calls, so a running rollout continues on the new
-        weights at its next call, and its tokens say so; SGLang pauses and resumes in-flight requests likewise.
+        gate's guarantee). Our server swaps weights between engine calls (one request's tokens share a version), so
+        a multi-turn rollout in progress continues its later turns on the new weights, and its tokens say so.
 
 Faults: a server that dies, closes the connection or times out (`ServerUnavailable`) fails the requests it held;
 the orchestrator requeues their prompts at the queue's front and calls `restart`, which probes the server and,
