@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -53,16 +53,27 @@ class RemoteFleet:
         self.clients = {u: RemoteGenerate([u], speculative=speculative) for u in urls}
         self.server_of = [urls[w % len(urls)] for w in range(workers)]
         self.dead: set[str] = set()
-        # twice the slots: a request abandoned by the orchestrator (timed out) may still occupy a thread
-        self.pool = ThreadPoolExecutor(2 * workers, thread_name_prefix="remote-rollout")
         self._lock = threading.Lock()
 
     def live(self) -> list[str]:
         return [u for u in self.urls if u not in self.dead]
 
     # ---- Fleet ---------------------------------------------------------------------------------------------------
-    def submit(self, worker: int, request: RolloutRequest):
-        return self.pool.submit(self._rollout, self.server_of[worker], request)
+    def submit(self, worker: int, request: RolloutRequest) -> Future:
+        """The request on a daemon thread of its own: one abandoned by the orchestrator (timed out, its server
+        hung) never holds up another request, nor the process's exit."""
+        future, url = Future(), self.server_of[worker]
+
+        def run():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._rollout(url, request))
+            except BaseException as e:  # noqa: BLE001 (handed to the orchestrator's thread by result())
+                future.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name=f"remote-rollout-{worker}").start()
+        return future
 
     def _rollout(self, url: str, request: RolloutRequest) -> RolloutResult:
         t0 = time.perf_counter()
@@ -143,4 +154,4 @@ class RemoteFleet:
             return None
 
     def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: requests still running belong to daemon threads and their results are dropped."""

@@ -326,6 +326,7 @@ class RayFleet:
         self._last: Optional[dict[str, torch.Tensor]] = None
         self.actors = [None] * size
         self.pids: list[Optional[int]] = [None] * size
+        self._next, self._generate_lock = -1, threading.Lock()
         full = self._pack_full(weights)
         for w in range(size):
             self._start(w, full, version)
@@ -404,8 +405,10 @@ class RayFleet:
     def generate(self, prompts: list[list[int]], n: int, sampling):
         """Submit a single generate request to the fleet (round-robin over the workers; queued behind their
         rollouts); returns a Ray ObjectRef of `list[list[Sample]]`. `FleetGenerate` wraps it as a GenerateFn."""
-        self._next = (getattr(self, "_next", -1) + 1) % self.size
-        return self.actors[self._next].generate.remote(prompts, n, sampling)
+        with self._generate_lock:  # callers on several threads (sub-agents) each get the next worker
+            self._next = (self._next + 1) % self.size
+            worker = self._next
+        return self.actors[worker].generate.remote(prompts, n, sampling)
 
     def close(self):
         for actor in self.actors:

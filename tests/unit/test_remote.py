@@ -384,8 +384,9 @@ def test_async_orchestrator_over_remote_servers_requeues_a_killed_servers_prompt
                              log=lambda *a, **k: logs.append(a[0]))
         assert remote.server_of == [urls[0], doomed, urls[0], doomed]
         ledger = Ledger([t["id"] for t in tasks])
-        orch = Orchestrator(OrchestratorConfig(P, K, prompts_per_request=1, requests_per_worker=1, poll_s=0.01), remote, ledger,
-                            {t["id"]: t for t in tasks}, version=0, weights=dict, log=lambda *a, **k: None)
+        ocfg = OrchestratorConfig(P, K, prompts_per_request=1, requests_per_worker=1, poll_s=0.01)
+        orch = Orchestrator(ocfg, remote, ledger, {t["id"]: t for t in tasks}, version=0, weights=dict,
+                            log=lambda *a, **k: None)
         before = jobs[0][0]
         trained, metrics, step = [], [], 0
         try:
