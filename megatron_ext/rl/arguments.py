@@ -81,7 +81,9 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "--rl-remote-weights-dir and each server reloads them (POST /update_weights_from_disk)")
     s.add_argument("--rl-remote-weights-dir", default=None,
                    help="directory every server can read (shared storage): each step's weights go to "
-                        "DIR/v<version> as a weights-only checkpoint; older versions are removed")
+                        "DIR/v<version> as a weights-only checkpoint; older versions are removed. With "
+                        "--rl-rollout-workers (needed at TP/EP > 1) the Ray workers load each version from there "
+                        "instead of the object store")
     a = parser.add_argument_group("rl-async", "asynchronous RL: generation on Ray rollout workers (orchestrator.py)")
     a.add_argument("--rl-rollout-workers", type=int, default=0,
                    help="rollout worker processes (Ray actors, each an inference engine replica plus environments); "
@@ -121,8 +123,8 @@ def validate_rl_args(args: argparse.Namespace):
     if args.rl_remote_servers and not args.rl_remote_weights_dir:
         fail("--rl-remote-servers needs --rl-remote-weights-dir DIR (a directory the servers can read) to publish "
              "each step's weights")
-    if args.rl_remote_weights_dir and not args.rl_remote_servers:
-        fail("--rl-remote-weights-dir is only used with --rl-remote-servers URL [URL ...]")
+    if args.rl_remote_weights_dir and not args.rl_remote_servers and not args.rl_rollout_workers:
+        fail("--rl-remote-weights-dir is only used with --rl-remote-servers URL [URL ...] or --rl-rollout-workers N")
     bad = [u for u in args.rl_remote_servers or () if not u.startswith(("http://", "https://"))]
     if bad:
         fail(f"--rl-remote-servers takes http(s):// URLs, got {bad}")
@@ -165,10 +167,11 @@ def validate_rl_args(args: argparse.Namespace):
             if args.ray_address:
                 fail("--ray-address is unused with --rl-remote-servers: the servers generate and the environments "
                      "run on rank 0's threads; drop --ray-address")
-        elif args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
-            fail("--rl-rollout-workers publishes rank 0's full weights to one-process workers, which needs "
-                 "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (data parallelism is fine); "
-                 "with TP/EP generate on --rl-remote-servers instead (they reload a sharded checkpoint)")
+        elif (args.tensor_model_parallel_size > 1 or args.expert_model_parallel_size > 1) and \
+                not args.rl_remote_weights_dir:
+            fail("--rl-rollout-workers with --tensor-model-parallel-size / --expert-model-parallel-size > 1: no rank "
+                 "holds the full weights, so each step's are published as a checkpoint the workers load and "
+                 "reshard: add --rl-remote-weights-dir DIR (storage the workers can read)")
     elif args.ray_address or args.rl_max_staleness:
         fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:

@@ -212,6 +212,8 @@ class RLTrainer:
                                            draft_depth=cfg.speculative_depth)
         self.orchestrator = self.fleet = None
         if cfg.fleet is not None:
+            if self._fleet_by_path() and not cfg.remote_servers:  # Ray workers' first weights: DIR/v<iteration>
+                self._publish_remote(reload=lambda path: None)
             self._start_fleet(cfg.fleet, backend_factory)
         dp = parallel_state.get_data_parallel_world_size()
         cp = parallel_state.get_context_parallel_world_size()
@@ -239,7 +241,8 @@ class RLTrainer:
             start_ray(fc.ray_address, num_cpus=max(2, fc.workers + 1), log=self.log)
             weights = partial(model_weights, self.model[0])
             self.fleet = RayFleet(fc.workers, wcfg, backend_factory, self.make_env, self.iteration, weights,
-                                  delta=fc.delta, num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log)
+                                  delta=fc.delta, num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log,
+                                  path_of=self._remote_path if self._fleet_by_path() else None)
         ocfg = OrchestratorConfig(cfg.prompts_per_step, fc.max_staleness, fc.per_request(cfg.prompts_per_step),
                                   request_timeout_s=fc.request_timeout_s, seed=self.args.seed)
         self.orchestrator = Orchestrator(ocfg, self.fleet, self.ledger, self.by_id, self.iteration, weights,
@@ -437,10 +440,10 @@ class RLTrainer:
         stats = {}
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)
-        elif self.cfg.remote_servers and self.cfg.fleet is not None:
+        if self._fleet_by_path():  # the fleet hears of the directory once every rank wrote its shards
             self._publish_remote(reload=lambda path: stats.update(self.orchestrator.publish(self.iteration)))
             return stats
-        elif self.cfg.remote_servers:
+        if self.engine is None and self.cfg.remote_servers:
             self._publish_remote()
         if self.orchestrator is not None:
             stats.update(self.orchestrator.publish(self.iteration))
@@ -448,6 +451,11 @@ class RLTrainer:
 
     def _remote_path(self, version: int) -> str:
         return os.path.join(self.cfg.remote_weights_dir, f"v{version}")
+
+    def _fleet_by_path(self) -> bool:
+        """Whether the asynchronous fleet takes each version as a checkpoint directory (remote servers, or Ray
+        workers behind a trainer with TP/EP > 1, whose weights no single rank holds): --rl-remote-weights-dir."""
+        return self.cfg.fleet is not None and bool(self.cfg.remote_weights_dir)
 
     def _publish_remote(self, reload: Optional[Callable[[str], None]] = None):
         """A weights-only checkpoint of this version under --rl-remote-weights-dir/v<version> (every rank writes its
@@ -470,8 +478,11 @@ class RLTrainer:
                 (reload or (lambda path: self.generate.reload(path, self.iteration)))(root)
             except (RemoteServerError, WorkerFailure) as e:
                 box[0] = str(e)
+            # servers have loaded this version when reload returns; Ray workers load theirs at their next swap,
+            # so the two versions before it stay for a worker still loading one
+            keep = 1 if self.cfg.remote_servers or self.cfg.fleet is None else 3
             for name in os.listdir(self.cfg.remote_weights_dir):
-                if name.startswith("v") and name != os.path.basename(root):
+                if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= self.iteration - keep:
                     shutil.rmtree(os.path.join(self.cfg.remote_weights_dir, name), ignore_errors=True)
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)

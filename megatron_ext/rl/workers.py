@@ -161,9 +161,10 @@ class EngineBackend:
         from megatron_ext.training.step import build_model
 
         initialize_distributed(model_args)
-        model = build_model(model_args, wrap_ddp=False)[0]
-        model.eval()
-        self.engine = InferenceEngine(model, weights_version=-1)
+        self.model_args = model_args
+        self.model = build_model(model_args, wrap_ddp=False)
+        self.model[0].eval()
+        self.engine = InferenceEngine(self.model[0], weights_version=-1)
         # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
         self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth)
 
@@ -173,6 +174,14 @@ class EngineBackend:
 
     def apply(self, weights: dict[str, torch.Tensor], version: int):
         self.engine.update_weights(weights.items(), version=version, strict=False)
+
+    def apply_path(self, path: str, version: int):
+        """The weights of a (weights-only) checkpoint directory written by a trainer of any TP/EP layout:
+        Megatron's dist_checkpointing reshards them onto this one-rank replica, in place."""
+        from megatron_ext.training.checkpointing import load_weights
+
+        load_weights(self.model_args, self.model, path, log=lambda *a, **k: None)
+        self.engine.weights_version = version
 
     def set_between_steps(self, fn: Callable[[], bool]):
         self.engine.between_steps = fn
@@ -202,6 +211,7 @@ class RolloutWorker:
         self._cond = threading.Condition()
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_version: Optional[int] = None
+        self._staged_path: Optional[str] = None
         self._swaps, self._swap_s = 0, 0.0
         if hasattr(self.backend, "set_between_steps"):
             self.backend.set_between_steps(self._swap)
@@ -209,14 +219,16 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def stage(self, packed: dict, version: int, full: bool = False) -> float:
-        """Receive a publication (all weights, or the ones that changed since the previous version); applied by
-        the generating thread at its next chance. Returns the seconds spent here."""
+    def stage(self, packed, version: int, full: bool = False) -> float:
+        """Receive a publication (all weights, the ones that changed since the previous version, or the path of a
+        checkpoint directory holding them); applied by the generating thread at its next chance. Returns the
+        seconds spent here."""
         t0 = time.perf_counter()
-        weights = unpack_weights(packed)
+        weights = {} if isinstance(packed, str) else unpack_weights(packed)
         with self._cond:
             if full:
                 self._staged = {}
+            self._staged_path = packed if isinstance(packed, str) else None
             self._staged.update(weights)
             self._staged_version = version if self._staged_version is None else max(version, self._staged_version)
             self._cond.notify_all()
@@ -226,10 +238,13 @@ class RolloutWorker:
         with self._cond:
             if self._staged_version is None or self._staged_version <= self.backend.version:
                 return False
-            weights, version = self._staged, self._staged_version
-            self._staged, self._staged_version = {}, None
+            weights, version, path = self._staged, self._staged_version, self._staged_path
+            self._staged, self._staged_version, self._staged_path = {}, None, None
         t0 = time.perf_counter()
-        self.backend.apply(weights, version)
+        if path is not None:
+            self.backend.apply_path(path, version)
+        else:
+            self.backend.apply(weights, version)
         self._swaps += 1
         self._swap_s += time.perf_counter() - t0
         return True
@@ -316,22 +331,27 @@ class RayFleet:
     previous version when that is fewer bytes (`delta`)."""
 
     def __init__(self, size: int, cfg: WorkerConfig, backend_factory, make_env, version: int,
-                 weights: Callable[[], dict], delta: bool = True, num_gpus: float = 0.0, log=print):
+                 weights: Callable[[], dict], delta: bool = True, num_gpus: float = 0.0, log=print,
+                 path_of: Optional[Callable[[int], str]] = None):
         import ray
 
         self.ray, self.size, self.log = ray, size, log
         self.actor_cls = _actor_class(ray)
         self._args = (cfg, backend_factory, make_env)
         self.num_gpus, self.delta = num_gpus, delta
+        # by path (a trainer with TP/EP > 1): every rank wrote path_of(version); the workers load and reshard it
+        self.path_of = path_of
         self._last: Optional[dict[str, torch.Tensor]] = None
         self.actors = [None] * size
         self.pids: list[Optional[int]] = [None] * size
         self._next, self._generate_lock = -1, threading.Lock()
-        full = self._pack_full(weights)
+        full = self._pack_full(weights, version)
         for w in range(size):
             self._start(w, full, version)
 
-    def _pack_full(self, weights: Callable[[], dict]):
+    def _pack_full(self, weights: Callable[[], dict], version: int):
+        if self.path_of is not None:
+            return self.path_of(version)
         current = weights()
         if self.delta:
             self._last = {k: v.detach().to("cpu", copy=True) for k, v in current.items()}
@@ -377,6 +397,12 @@ class RayFleet:
 
     def publish(self, version: int, weights: Callable[[], dict]) -> dict[str, float]:
         t0 = time.perf_counter()
+        if self.path_of is not None:
+            path = self.path_of(version)
+            for actor in self.actors:
+                actor.stage.remote(path, version, True)
+            size = float(sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files))
+            return {"publish seconds": time.perf_counter() - t0, "publish bytes": size, "publish bytes full": size}
         current = weights()
         full_bytes = sum(t.numel() * t.element_size() for t in current.values())
         send, is_full = current, True
@@ -399,6 +425,9 @@ class RayFleet:
             self.ray.kill(self.actors[worker], no_restart=True)
         except Exception:  # noqa: BLE001 (already dead)
             pass
+        if self.path_of is not None:
+            self._start(worker, self.path_of(version), version)
+            return
         current = weights()
         self._start(worker, self.ray.put(pack_weights(current)), version)
 

@@ -113,3 +113,30 @@ def test_async_run_under_torchrun(tmp_path, no_ray_left):
     assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 6, seed=7)}
     _check_staleness(logs, 1)
     no_ray_left()
+
+
+@pytest.mark.slow
+def test_async_workers_behind_a_tensor_parallel_trainer(tmp_path, no_ray_left):
+    """TP=2 trainer (no rank holds the full weights), 2 Ray workers: each version goes to --rl-remote-weights-dir as a
+    checkpoint every rank writes its shards of, and the one-rank workers load and reshard it. The first step's
+    samples come from version 0 on the workers and are scored by the trainer's version 0: their log-probabilities
+    agree (the workers really hold the trainer's weights); each prompt trained once, staleness within the bound."""
+    prompts, logs, weights = _prompts(tmp_path, 6), str(tmp_path / "logs"), str(tmp_path / "weights")
+    p = _run(TINY + ASYNC + ["--rl-prompts", prompts, "--rl-log-dir", logs, "--train-iters", "100",
+                             "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--rl-remote-weights-dir", weights], nproc=2)
+    out = p.stdout
+    assert "all 6 prompts of --rl-prompts trained once: stopping at iteration 3" in out
+    first = [x for x in out.splitlines() if " iteration        1/" in x][0]
+    assert float(first.split("staleness max: ")[1].split()[0]) == 0
+    assert float(first.split("mismatch_max: ")[1].split()[0]) < 1e-4
+    assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 6, seed=7)}
+    _check_staleness(logs, 1)
+    assert sorted(os.listdir(weights)) == ["v1", "v2", "v3"]  # the versions a worker may still be loading
+    no_ray_left()
+
+
+def test_tensor_parallel_workers_need_a_weights_dir(tmp_path):
+    p = _run(TINY + ASYNC + ["--rl-prompts", _prompts(tmp_path, 2), "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel"], nproc=2, check=False)
+    assert p.returncode != 0 and "add --rl-remote-weights-dir DIR" in p.stderr + p.stdout
