@@ -118,6 +118,8 @@ class RemoteFleet:
 
     def _mark_dead(self, url: str):
         with self._lock:
+            if url in self.dead:
+                return
             self.dead.add(url)
             live = self.live()
             if not live:
