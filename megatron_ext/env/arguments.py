@@ -50,7 +50,8 @@ def add_swarm_args(parser: argparse.ArgumentParser):
                    help="where sub-agent turns come from: endpoint:URL (an OpenAI-compatible server of a frozen "
                         "checkpoint), local:CKPT (tools/serve.py started for the run), script:SCRIPTS.json "
                         "({name: actions}), or pinned (rl_composer.py: the policy's weights at a pinned version, in "
-                        "a local engine copy)")
+                        "a local engine copy), or fleet (rl_composer.py with --rl-remote-servers: the run's inference "
+                        "servers, the policy's newest published weights, turns sent concurrently)")
     g.add_argument("--swarm-max-subagents", type=int, default=4,
                    help="most sub-agents an orchestrator may create (and run at once)")
     g.add_argument("--swarm-subagent-max-turns", type=int, default=20, help="turns of one sub-agent assignment")

@@ -271,6 +271,47 @@ class EnginePolicy:
         pass
 
 
+class GeneratePolicy:
+    """Sub-agent turns as requests to a GenerateFn (megatron_ext/rl/rollout.py): the RL run's remote inference
+    servers (`RemoteGenerate`, --swarm-subagent-policy fleet), which hold the policy's newest published weights.
+    Thread-safe without a lock around generation: concurrent turns are concurrent requests, batched by the servers,
+    never queued behind the orchestrator's own generation nor behind each other."""
+
+    def __init__(self, generate, tokenizer, max_context: int, max_tokens: int = 1024, temperature: float = 1.0,
+                 seed: int = 0):
+        from megatron_ext.data.sft import IM_END
+
+        self.generate, self.tokenizer, self.max_context = generate, tokenizer, max_context
+        self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
+        self.stop = (tokenizer.token_id(IM_END),)
+        self.lock, self.turns = threading.Lock(), 0
+
+    def act(self, messages: list[dict], tools: list[dict]) -> dict:
+        from megatron_ext.data.sft import parse_assistant, render_chat
+        from megatron_ext.rl.rollout import Sampling
+
+        prompt = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids
+        room = self.max_context - len(prompt)
+        if room < 1:
+            raise ContextExceeded(f"the prompt ({len(prompt)} tokens) fills the model's context of "
+                                  f"{self.max_context} tokens", len(prompt), self.max_context)
+        with self.lock:  # only the seed counter is shared
+            self.turns += 1
+            seed = self.seed * 1_000_003 + self.turns
+        sampling = Sampling(max_tokens=min(self.max_tokens, room), temperature=self.temperature,
+                            stop_token_ids=self.stop, seed=seed)
+        [[sample]] = self.generate([prompt], 1, sampling)
+        reply = parse_assistant(self.tokenizer, sample.token_ids)
+        reply.pop("incomplete", None)
+        return reply
+
+    def agent(self, name: str) -> Agent:
+        return self  # stateless: the context is in the messages
+
+    def close(self):
+        pass
+
+
 def make_subagent_policy(spec: str, **endpoint_kwargs) -> SubAgentPolicy:
     """script:SCRIPTS.json ({name: actions}) | endpoint:URL | local:CKPT ('pinned' is built by the RL factory)."""
     kind, sep, value = spec.partition(":")
@@ -290,7 +331,7 @@ def make_subagent_policy(spec: str, **endpoint_kwargs) -> SubAgentPolicy:
             raise AgentError(f"--swarm-subagent-policy local:{value}: not a checkpoint directory")
         return LocalPolicy(value, **endpoint_kwargs)
     raise AgentError(f"--swarm-subagent-policy {spec!r}: expected script:SCRIPTS.json, endpoint:URL, local:CKPT "
-                     "or (rl_composer.py) pinned")
+                     "or (rl_composer.py) pinned / fleet")
 
 
 # ---------------------------------------------------------------------------------------------------------------

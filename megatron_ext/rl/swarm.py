@@ -57,11 +57,16 @@ class SwarmEnvFactory(CodingEnvFactory):
             raise ValueError("--swarm-subagent-policy pinned runs a sub-agent engine on every rank by itself: it needs "
                              "--tensor-model-parallel-size 1 and --expert-model-parallel-size 1 (or serve a frozen "
                              "checkpoint and use endpoint:URL)")
+        if spec == "fleet" and not getattr(args, "rl_remote_servers", None):
+            raise ValueError("--swarm-subagent-policy fleet sends sub-agent turns to the run's inference servers: it "
+                             "needs --rl-remote-servers URL ... (with Ray rollout workers the environments live in "
+                             "the workers; use pinned or endpoint:URL there)")
         self.args, self.pin_interval, self.trainer, self.log = args, args.swarm_subagent_pin_interval, None, log
         self.policy_kwargs = {"max_tokens": args.swarm_subagent_tokens_per_turn,
                               "temperature": args.swarm_subagent_temperature}
         super().__init__(args, tokenizer, log=log)
-        self.policy = policy or (None if spec == "pinned" else make_subagent_policy(spec, **self.policy_kwargs))
+        self.policy = policy or (None if spec in ("pinned", "fleet") else
+                                 make_subagent_policy(spec, **self.policy_kwargs))
 
     def read_weights(self, step: int) -> dict:
         config = super().read_weights(step)
@@ -80,6 +85,16 @@ class SwarmEnvFactory(CodingEnvFactory):
         """rl_composer.py calls this once the trainer (its model and version) exists: the pinned policy is built."""
         self.trainer = trainer
         if self.policy is not None:
+            return
+        if self.args.swarm_subagent_policy == "fleet":
+            from megatron_ext.env.swarm import GeneratePolicy
+            from megatron_ext.rl.remote import RemoteGenerate
+
+            servers = trainer.cfg.remote_servers
+            self.policy = GeneratePolicy(RemoteGenerate(servers, failover=True), self.tokenizer,
+                                         self.args.seq_length, seed=self.args.seed, **self.policy_kwargs)
+            self.log(f"swarm: sub-agent turns go to the {len(servers)} inference server(s) of --rl-remote-servers "
+                     "(the policy's newest published weights), concurrently")
             return
         from megatron_ext.inference.engine import InferenceEngine
         from megatron_ext.training.step import build_model

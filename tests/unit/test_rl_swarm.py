@@ -220,3 +220,54 @@ def test_rl_composer_swarm_flags_fail_early(tmp_path, tokenizer_dir, capsys, ext
     extra = [tokenizer_dir if a == "TOK" else a for a in extra]
     code = _composer().main(["--rl-env", "swarm", "--model", "tiny", "--rl-prompts", str(suite), *extra])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_fleet_policy_sends_concurrent_turns_to_the_run_servers(tokenizer_dir):
+    """--swarm-subagent-policy fleet: sub-agent turns are requests to the RL run's inference servers, several at
+    once (never serialised behind each other or the orchestrator), each with its own seed; the reply is parsed
+    into tool calls; a prompt filling the context ends the sub-agent's episode. Without --rl-remote-servers the
+    flag fails early, naming it."""
+    import time
+
+    from megatron_ext.env.swarm import GeneratePolicy
+    from megatron_ext.rl.remote import RemoteGenerate
+
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    call = _turn(0, {"name": "read_file", "arguments": {"path": "kit/area.py"}})
+    prompt = render_chat(tokenizer, base, tools=SWARM_TOOL_SCHEMAS[:8], add_generation_prompt=True).ids
+    reply = render_chat(tokenizer, base + [call], tools=SWARM_TOOL_SCHEMAS[:8]).ids[len(prompt):]
+    seen, lock, active = [], threading.Lock(), [0, 0]
+
+    def generate(prompts, n, sampling):
+        with lock:
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+            seen.append((prompts, n, sampling))
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+        return [[Sample(list(reply), [0.0] * len(reply), [0.0] * len(reply), [3] * len(reply), "stop")]]
+
+    policy = GeneratePolicy(generate, tokenizer, max_context=len(prompt) + 40, max_tokens=64, temperature=0.7)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(policy.agent("x").act(base, SWARM_TOOL_SCHEMAS[:8])))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert active[1] == 4  # all four turns in flight at once
+    assert all(p == [prompt] and n == 1 for p, n, _ in seen)
+    assert len({s.seed for _, _, s in seen}) == 4 and {s.max_tokens for _, _, s in seen} == {40}  # clamped to room
+    assert all([c["function"]["name"] for c in m["tool_calls"]] == ["read_file"] for m in out)
+    with pytest.raises(ContextExceeded, match="fills the model's context"):
+        GeneratePolicy(generate, tokenizer, max_context=len(prompt)).act(base, SWARM_TOOL_SCHEMAS[:8])
+    with pytest.raises(ValueError, match="needs --rl-remote-servers"):
+        SwarmEnvFactory(_args(["--swarm-subagent-policy", "fleet"]), tokenizer)
+    args = _args(["--swarm-subagent-policy", "fleet"])
+    args.rl_remote_servers, args.seq_length, args.seed = ["http://127.0.0.1:9"], 4096, 1
+    factory = SwarmEnvFactory(args, tokenizer, log=lambda *a, **k: None)
+    factory.attach(SimpleNamespace(cfg=SimpleNamespace(remote_servers=args.rl_remote_servers), iteration=0))
+    assert isinstance(factory.policy, GeneratePolicy) and isinstance(factory.policy.generate, RemoteGenerate)
+    assert factory.policy.generate.urls == ["http://127.0.0.1:9"] and factory.policy.generate.failover
