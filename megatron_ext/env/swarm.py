@@ -225,17 +225,50 @@ class LocalPolicy(EndpointPolicy):
         self.server.close()
 
 
-class EnginePolicy:
+class _ModelTurns:
+    """A sub-agent policy whose turns a model samples: the chat rendered to token ids (fitting `context`), the
+    sampled ids parsed back into a message; stateless agents (the context is in the messages)."""
+
+    def _init_turns(self, tokenizer, max_tokens: int, temperature: float):
+        from megatron_ext.data.sft import IM_END
+
+        self.tokenizer, self.max_tokens, self.temperature = tokenizer, max_tokens, temperature
+        self.stop = (tokenizer.token_id(IM_END),)
+        self.lock, self.turns = threading.Lock(), 0
+
+    def _prompt(self, messages: list[dict], tools: list[dict], context: int) -> tuple[list[int], int]:
+        """The prompt's ids and the tokens left for the reply; ContextExceeded when none are."""
+        from megatron_ext.data.sft import render_chat
+
+        prompt = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids
+        room = context - len(prompt)
+        if room < 1:
+            raise ContextExceeded(f"the prompt ({len(prompt)} tokens) fills the model's context of {context} tokens",
+                                  len(prompt), context)
+        return prompt, min(self.max_tokens, room)
+
+    def _reply(self, token_ids: list[int]) -> dict:
+        from megatron_ext.data.sft import parse_assistant
+
+        reply = parse_assistant(self.tokenizer, token_ids)
+        reply.pop("incomplete", None)
+        return reply
+
+    def agent(self, name: str) -> Agent:
+        return self
+
+    def close(self):
+        pass
+
+
+class EnginePolicy(_ModelTurns):
     """The trained policy's weights at a pinned version, in a local engine copy (megatron_ext/inference), separate
     from the engine the orchestrator samples from: sub-agent turns never wait behind the orchestrator's generation.
     Sub-agents share the copy one turn at a time (a lock); `pin(model, version)` copies newer weights in."""
 
     def __init__(self, engine, tokenizer, max_tokens: int = 1024, temperature: float = 1.0):
-        from megatron_ext.data.sft import IM_END
-
-        self.engine, self.tokenizer, self.max_tokens, self.temperature = engine, tokenizer, max_tokens, temperature
-        self.stop = (tokenizer.token_id(IM_END),)
-        self.lock, self.turns = threading.Lock(), 0
+        self.engine = engine
+        self._init_turns(tokenizer, max_tokens, temperature)
 
     @property
     def version(self) -> int:
@@ -246,32 +279,18 @@ class EnginePolicy:
             self.engine.update_weights(model, version=version)
 
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
-        from megatron_ext.data.sft import parse_assistant, render_chat
         from megatron_ext.inference.engine import SamplingParams
 
-        prompt = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids
-        room = self.engine.model.max_sequence_length - len(prompt)
-        if room < 1:
-            raise ContextExceeded(f"the prompt ({len(prompt)} tokens) fills the model's context of "
-                                  f"{self.engine.model.max_sequence_length} tokens", len(prompt),
-                                  self.engine.model.max_sequence_length)
+        prompt, max_tokens = self._prompt(messages, tools, self.engine.model.max_sequence_length)
         with self.lock:
             self.turns += 1
-            params = SamplingParams(max_tokens=min(self.max_tokens, room), temperature=self.temperature,
-                                    stop_token_ids=self.stop, seed=self.turns)
+            params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, stop_token_ids=self.stop,
+                                    seed=self.turns)
             [completion] = self.engine.generate([prompt], params)
-        reply = parse_assistant(self.tokenizer, completion.token_ids)
-        reply.pop("incomplete", None)
-        return reply
-
-    def agent(self, name: str) -> Agent:
-        return self  # stateless: the context is in the messages
-
-    def close(self):
-        pass
+        return self._reply(completion.token_ids)
 
 
-class GeneratePolicy:
+class GeneratePolicy(_ModelTurns):
     """Sub-agent turns as requests to a GenerateFn (megatron_ext/rl/rollout.py): the RL run's remote inference
     servers (`RemoteGenerate`, --swarm-subagent-policy fleet), which hold the policy's newest published weights.
     Thread-safe without a lock around generation: concurrent turns are concurrent requests, batched by the servers,
@@ -279,37 +298,19 @@ class GeneratePolicy:
 
     def __init__(self, generate, tokenizer, max_context: int, max_tokens: int = 1024, temperature: float = 1.0,
                  seed: int = 0):
-        from megatron_ext.data.sft import IM_END
-
-        self.generate, self.tokenizer, self.max_context = generate, tokenizer, max_context
-        self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
-        self.stop = (tokenizer.token_id(IM_END),)
-        self.lock, self.turns = threading.Lock(), 0
+        self.generate, self.max_context, self.seed = generate, max_context, seed
+        self._init_turns(tokenizer, max_tokens, temperature)
 
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
-        from megatron_ext.data.sft import parse_assistant, render_chat
         from megatron_ext.rl.rollout import Sampling
 
-        prompt = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids
-        room = self.max_context - len(prompt)
-        if room < 1:
-            raise ContextExceeded(f"the prompt ({len(prompt)} tokens) fills the model's context of "
-                                  f"{self.max_context} tokens", len(prompt), self.max_context)
+        prompt, max_tokens = self._prompt(messages, tools, self.max_context)
         with self.lock:  # only the seed counter is shared
             self.turns += 1
             seed = self.seed * 1_000_003 + self.turns
-        sampling = Sampling(max_tokens=min(self.max_tokens, room), temperature=self.temperature,
-                            stop_token_ids=self.stop, seed=seed)
+        sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, stop_token_ids=self.stop, seed=seed)
         [[sample]] = self.generate([prompt], 1, sampling)
-        reply = parse_assistant(self.tokenizer, sample.token_ids)
-        reply.pop("incomplete", None)
-        return reply
-
-    def agent(self, name: str) -> Agent:
-        return self  # stateless: the context is in the messages
-
-    def close(self):
-        pass
+        return self._reply(sample.token_ids)
 
 
 def make_subagent_policy(spec: str, **endpoint_kwargs) -> SubAgentPolicy:
