@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional
 from megatron_ext import gpu, platform
 from megatron_ext.training import stages
 from megatron_ext.models import attn_residuals
-from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset
+from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset, parse_layer_pattern
 
 
 class ArgumentError(ValueError):
@@ -60,6 +60,13 @@ _ARCH_FLAGS = {
     "--norm-epsilon": ("norm_epsilon", float, "RMSNorm epsilon"),
     "--mtp-num-layers": ("mtp_num_layers", int, "multi-token-prediction layers (0: none)"),
     "--seq-length": ("seq_length", int, "training sequence length"),
+    # Kimi Linear hybrid (models/kda.py)
+    "--hybrid-layer-pattern": ("hybrid_layer_pattern", str,
+                               "layer kinds, one per layer: K (Kimi Delta Attention) or M (MLA), e.g. KKKMKKKM or "
+                               "'KDA KDA KDA MLA'"),
+    "--kda-num-heads": ("kda_num_heads", int, "Kimi Delta Attention heads"),
+    "--kda-head-dim": ("kda_head_dim", int, "Kimi Delta Attention head dim (keys and values)"),
+    "--kda-conv-kernel-size": ("kda_conv_kernel", int, "width of KDA's short causal convolutions"),
     "--attention-residuals": ("attention_residuals", str,
                               "Attention Residuals: each layer's input is a learned softmax mixture of the embedding "
                               "and earlier layer outputs (full) or block sums (block); none: plain residuals"),
@@ -79,6 +86,8 @@ def _add_model_args(parser: argparse.ArgumentParser):
                    help="aux-loss-free balancing: a non-learned per-expert bias used only to select experts")
     g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="separate output layer (default: from --model)")
+    g.add_argument("--mla-nope", action=argparse.BooleanOptionalAction, default=None,
+                   help="MLA layers without positional encoding, as in Kimi Linear (default: from --model)")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"],
                    help="how tokens reach their experts under expert parallelism")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="grouped GEMM experts (GPU)")
@@ -246,8 +255,8 @@ def resolve_preset(args: argparse.Namespace, base: Optional[ModelPreset] = None)
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             changes[field] = value
-    for field in ("moe_router_enable_expert_bias", "untie_embeddings_and_output_weights"):
-        if getattr(args, field) is not None:
+    for field in ("moe_router_enable_expert_bias", "untie_embeddings_and_output_weights", "mla_nope"):
+        if getattr(args, field, None) is not None:
             changes[field] = getattr(args, field)
     # 0 switches optional parts off, as a flag cannot say None.
     for field in ("q_lora_rank", "num_experts", "moe_shared_expert_intermediate_size"):
@@ -295,6 +304,7 @@ def finalize_args(args: argparse.Namespace, world_size: Optional[int] = None,
         setattr(args, flag[2:].replace("-", "_"), getattr(arch, field))
     args.moe_router_enable_expert_bias = arch.moe_router_enable_expert_bias
     args.untie_embeddings_and_output_weights = arch.untie_embeddings_and_output_weights
+    args.mla_nope = arch.mla_nope
     if args.transformer_impl is None:
         args.transformer_impl = platform.default_transformer_impl()
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
@@ -458,6 +468,35 @@ def validate_args(args: argparse.Namespace):
     attn_residuals.validate_args(args, _fail)
     if arch.seq_length > arch.max_position_embeddings:
         _fail(f"--seq-length {arch.seq_length} exceeds --max-position-embeddings {arch.max_position_embeddings}")
+    _validate_hybrid(args)
+
+
+def _validate_hybrid(args: argparse.Namespace):
+    """The Kimi Linear flags: a pattern with one K/M per layer, KDA heads that split over TP, no CP."""
+    arch: ModelPreset = args.arch
+    if arch.mla_nope and arch.rope_type != "rope":
+        _fail("--mla-nope needs --position-embedding-type rope (YaRN rescales positions MLA no longer uses)")
+    if not arch.hybrid_layer_pattern:
+        return
+    try:
+        pattern = parse_layer_pattern(arch.hybrid_layer_pattern, arch.num_layers)
+    except ValueError as e:
+        _fail(str(e))
+    args.arch = arch = arch.replace(hybrid_layer_pattern=pattern)
+    args.hybrid_layer_pattern = pattern
+    if "K" not in pattern:
+        return
+    for flag in ("--kda-num-heads", "--kda-head-dim", "--kda-conv-kernel-size"):
+        value = getattr(arch, _ARCH_FLAGS[flag][0])
+        if value < 1:
+            _fail(f"{flag} must be >= 1 for KDA layers in --hybrid-layer-pattern, got {value}")
+    if arch.kda_num_heads % args.tensor_model_parallel_size:
+        _fail(f"--kda-num-heads {arch.kda_num_heads} is not divisible by --tensor-model-parallel-size "
+              f"{args.tensor_model_parallel_size}")
+    if args.context_parallel_size > 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: Kimi Delta Attention layers do not support "
+              "context parallelism (their recurrent state would pass between ranks); use CP 1 or an all-MLA "
+              "--hybrid-layer-pattern")
 
 
 def _validate_batch(args: argparse.Namespace):

@@ -28,6 +28,8 @@ def _global_tensor(key: str, shape, seed: int, std: float) -> torch.Tensor:
         # A decisive router: at init, sigmoid scores of a random model crowd around 0.5, where rounding
         # differences between layouts flip near-tied top-k choices; spread-out scores make ties rare.
         return values
+    if "conv1d" in key:
+        return 0.3 * values  # KDA's short convolutions: at std 0.02 they would all but zero q, k and v
     if len(shape) - (1 if ".experts." in key else 0) <= 1 and "norm" in key:
         return 1.0 + 0.1 * values  # norm weights near one, but not exactly, so their gradients matter
     return std * values

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
+from megatron_ext.convert import kimi_linear
 from megatron_ext.models.presets import ModelPreset
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-MODEL_TYPES = TEXT_MODEL_TYPES + ("kimi_k25",)
+MODEL_TYPES = TEXT_MODEL_TYPES + ("kimi_k25", "kimi_linear")
 FP8_BLOCK = 128
 
 
@@ -63,6 +64,8 @@ def _rope(text: dict) -> dict:
 
 def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
     """The Megatron architecture for a DeepSeek-V3-family text config; refuses what Megatron cannot express."""
+    if text.get("model_type") == kimi_linear.MODEL_TYPE:
+        return kimi_linear.preset_from_config(text, source)
     def need(cond, msg):
         if not cond:
             raise ConversionError(f"{source}: {msg}")
@@ -122,7 +125,10 @@ def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
 
 
 def config_from_preset(p: ModelPreset, dtype: torch.dtype, mtp: bool) -> dict:
-    """config.json for `transformers`' DeepseekV3ForCausalLM (the class every supported layout loads as)."""
+    """config.json for `transformers`' DeepseekV3ForCausalLM (the class every supported layout loads as), or
+    KimiLinearForCausalLM for a Kimi Linear hybrid."""
+    if kimi_linear.is_kimi_linear(p):
+        return kimi_linear.config_from_preset(p, dtype)
     rope = {"rope_type": "default", "rope_theta": p.rotary_base}
     if p.rope_type == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": p.rotary_base, "factor": p.rotary_scaling_factor,

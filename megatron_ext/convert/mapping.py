@@ -15,6 +15,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from megatron_ext.convert import kimi_linear
 from megatron_ext.convert.hf import ConversionError
 
 # Megatron name inside a transformer layer -> HF name inside a decoder layer (a list: one per chunk).
@@ -51,13 +52,18 @@ class HFLayout:
     root: str  # prefix of embed_tokens / layers / norm, e.g. "model." or "language_model.model."
     lm_head: str  # full name of the output projection
     num_layers: int
+    kimi_linear: bool = False  # Kimi Linear's names (KDA attention, block_sparse_moe); convert/kimi_linear.py
+    dense_mlp: str = "mlp."  # where a Kimi Linear checkpoint keeps dense MLPs ("block_sparse_moe." if transformers saved it)
 
     @classmethod
     def detect(cls, names, num_layers: int, model_type: str) -> "HFLayout":
         for root, head in (("model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"),
                            ("model.language_model.", "lm_head.weight")):
             if f"{root}embed_tokens.weight" in names:
-                return cls(root, head, num_layers)
+                kimi = model_type == kimi_linear.MODEL_TYPE
+                dense = "block_sparse_moe." if kimi and any(kimi_linear.DENSE_IN_MOE_NAMES.search(n)
+                                                            for n in names) else "mlp."
+                return cls(root, head, num_layers, kimi, dense)
         raise ConversionError(f"cannot find the token embedding ('model.embed_tokens.weight' or a language-model "
                               f"variant) among the checkpoint's tensors; is this a {model_type} checkpoint?")
 
@@ -73,7 +79,7 @@ def hf_names(name: str, layout: HFLayout) -> list[str]:
         return [layout.lm_head]
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     if m:
-        return _layer_names(f"{r}layers.{m.group(1)}.", m.group(2), name)
+        return _layer_names(f"{r}layers.{m.group(1)}.", m.group(2), name, layout)
     m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
     if m:
         prefix = f"{r}layers.{layout.num_layers + int(m.group(1))}."
@@ -81,11 +87,15 @@ def hf_names(name: str, layout: HFLayout) -> list[str]:
         if rest in _MTP_OWN:
             return [prefix + _MTP_OWN[rest]]
         if rest.startswith("transformer_layer."):
-            return _layer_names(prefix, rest[len("transformer_layer."):], name)
+            return _layer_names(prefix, rest[len("transformer_layer."):], name, layout)
     raise ConversionError(f"no Hugging Face counterpart known for Megatron tensor {name}")
 
 
-def _layer_names(prefix: str, rest: str, full: str) -> list[str]:
+def _layer_names(prefix: str, rest: str, full: str, layout: HFLayout) -> list[str]:
+    if layout.kimi_linear:
+        names = kimi_linear.layer_names(prefix, rest, layout.dense_mlp)
+        if names is not None:
+            return names
     if rest in _LAYER:
         return [prefix + n for n in _LAYER[rest]]
     m = _EXPERT.fullmatch(rest)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from megatron_ext import atomic
 from megatron_ext.arguments import parse_args
+from megatron_ext.convert import kimi_linear
 from megatron_ext.convert.hf import ConversionError, ShardedCheckpoint, config_from_preset, preset_from_config, read_config
 from megatron_ext.convert.mapping import MTP_DUPLICATES, HFLayout, Piece, enumerate_pieces
 from megatron_ext.models.presets import ModelPreset
@@ -314,7 +315,7 @@ def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = Non
     arch = ModelPreset(**common["args"]["arch"])
     if mtp and not arch.mtp_num_layers:
         raise ConversionError(f"--mtp: {ckpt_dir} has no MTP layers")
-    layout = HFLayout("model.", "lm_head.weight", arch.num_layers)
+    layout = HFLayout("model.", "lm_head.weight", arch.num_layers, kimi_linear=kimi_linear.is_kimi_linear(arch))
     _, model = _meta_model(arch)
     pieces, _ = enumerate_pieces(model, layout)
     if not mtp:

@@ -55,6 +55,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron_ext import platform
 from megatron_ext.models import attn_residuals
+from megatron_ext.models.kda import KimiDeltaAttention
 from megatron_ext.models.norm import RMSNorm
 
 # Up to this many tokens per MoE call (decode, speculative verify), experts run token by token: regrouping tokens
@@ -131,13 +132,31 @@ class _TopKRecorder:
 
 class LatentCache:
     """Per-layer MLA cache for a batch: the latent and the rotated rope key of each token side by side,
-    [batch, max_len, kv_lora_rank + rope_dim], so that absorbed attention scores both with one matmul."""
+    [batch, max_len, kv_lora_rank + rope_dim], so that absorbed attention scores both with one matmul.
+
+    Kimi Linear hybrids keep, side by side with those, each KDA layer's constant-size state in `states[i]`
+    (convolution tail, recurrent state: `KimiDeltaAttention.new_state`); such a layer's `kv[i]` is empty."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
-                 dtype: torch.dtype, device):
-        self.kv = [torch.zeros(batch, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device)
-                   for _ in range(num_layers)]
+                 dtype: torch.dtype, device, recurrent: Optional[list] = None):
+        recurrent = recurrent or [None] * num_layers  # per layer: a KDA module, or None for MLA
+        self.kv = [torch.zeros(batch, max_len if r is None else 0, 0 if r is not None else kv_lora_rank + rope_dim,
+                               dtype=dtype, device=device) for r in recurrent]
+        self.states = [None if r is None else r.new_state(batch, device, dtype) for r in recurrent]
         self.kv_lora_rank, self.max_len = kv_lora_rank, max_len
+
+    def fork(self, counts: torch.Tensor):
+        """Row i becomes counts[i] identical rows (the samples of one prompt)."""
+        self.kv = [t.repeat_interleave(counts, dim=0) for t in self.kv]
+        self.states = [None if st is None else tuple(t.repeat_interleave(counts, dim=0) for t in st)
+                       for st in self.states]
+
+    def keep(self, rows: torch.Tensor, used: int):
+        """Keep only `rows` (in that order), compacted in place; `used` cache positions are live."""
+        for t in self.kv:
+            t[: len(rows), :used] = t[rows, :used]
+        self.kv = [t[: len(rows)] for t in self.kv]
+        self.states = [None if st is None else tuple(t[rows] for t in st) for st in self.states]
 
     @property
     def latent(self) -> list[torch.Tensor]:
@@ -148,7 +167,8 @@ class LatentCache:
         return [t[..., self.kv_lora_rank:] for t in self.kv]
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        tensors = self.kv + [t for st in self.states if st is not None for t in st]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Groups:
@@ -261,6 +281,7 @@ class _Step:
     start: Optional[int]  # batch of one: the new rows are [start, start + s)
     mask: Optional[torch.Tensor]  # [b, 1, s, total] visible keys; None when all are
     absorbed: bool
+    valid: Optional[torch.Tensor] = None  # [b, s] real (not right-padding) tokens, for KDA states; None: all
     rope: dict = field(default_factory=dict)
 
 
@@ -293,13 +314,18 @@ class InferenceEngine:
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (a group's prompt counts once)
         self.layers = list(model.decoder.layers)
         for layer in self.layers:
-            if not isinstance(layer.self_attention, MLASelfAttention):
-                raise ValueError("the inference engine supports MLA layers")
+            if not isinstance(layer.self_attention, (MLASelfAttention, KimiDeltaAttention)):
+                raise ValueError("the inference engine supports MLA and Kimi Delta Attention layers")
+        # Kimi Linear: KDA layers keep a constant-size state in the cache instead of per-token latents
+        self.recurrent = [layer.self_attention if isinstance(layer.self_attention, KimiDeltaAttention) else None
+                          for layer in self.layers]
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):
             raise ValueError("the inference engine supports SwiGLU MLPs (gated_linear_unit with silu)")
         _check_fused_norms(model)
         self.groups = _Groups()
-        self.heads = self.layers[0].self_attention.num_attention_heads_per_partition
+        mla = next((layer.self_attention for layer in self.layers
+                    if isinstance(layer.self_attention, MLASelfAttention)), None)
+        self.heads = mla.num_attention_heads_per_partition if mla is not None else 0
         self.mtp_layers = list(model.mtp.layers) if getattr(model, "mtp", None) is not None else []
         self._experts = {}  # id(MoE layer) -> [(fc1, fc2)] of its local experts
         for layer in self.layers + [m.transformer_layer for m in self.mtp_layers]:
@@ -333,15 +359,19 @@ class InferenceEngine:
         return self.model.embedding.word_embeddings.weight.dtype
 
     def new_cache(self, num_layers: int, batch: int, max_len: int) -> LatentCache:
+        """A cache for the decoder's layers (num_layers == their count: KDA layers get states) or for that many
+        MTP layers (MLA)."""
         cfg = self.config
+        recurrent = self.recurrent if num_layers == len(self.layers) else None
         return LatentCache(num_layers, batch, max_len, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, self.dtype,
-                           self.device)
+                           self.device, recurrent)
 
     # ---------------------------------------------------------------------------------------------------
     # one forward step over new tokens, with the cache
     # ---------------------------------------------------------------------------------------------------
 
-    def _step(self, positions: torch.Tensor, lengths: torch.Tensor, cache: LatentCache) -> _Step:
+    def _step(self, positions: torch.Tensor, lengths: torch.Tensor, cache: LatentCache,
+              valid: Optional[torch.Tensor] = None) -> _Step:
         b, s = positions.shape
         if b == 1:
             start = int(lengths[0])
@@ -354,7 +384,7 @@ class InferenceEngine:
         if b > 1 or s > 1:  # a batch of one decoding one token sees every cached row
             mask = (torch.arange(total, device=positions.device).view(1, 1, total) <= positions.unsqueeze(-1))
             mask = mask.unsqueeze(1)
-        return _Step(positions, lengths, total, start, mask, absorbed=s <= self.absorb_max_tokens)
+        return _Step(positions, lengths, total, start, mask, absorbed=s <= self.absorb_max_tokens, valid=valid)
 
     def _rope_for(self, attn: MLASelfAttention, step: _Step, length: int):
         """(cos, sin) at the step's positions, [s, b, 1, rope_dim / 2], mscale folded in as Megatron-Core does.
@@ -537,34 +567,42 @@ class InferenceEngine:
         x = F.embedding(local.masked_fill(outside, 0), emb.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
         return _all_reduce(x, self.groups.tp)
 
-    def _sublayers(self, layer, step: _Step, cache_kv: torch.Tensor, routing):
-        """A layer's attention and MLP (each with its pre-norm) as functions of their input."""
+    def _sublayers(self, layer, step: _Step, cache_kv: torch.Tensor, routing, state=None):
+        """A layer's attention and MLP (each with its pre-norm) as functions of their input; `state`: a Kimi Delta
+        Attention layer's recurrent state, advanced over the new tokens."""
         def attention(x):
-            return _all_reduce(self._attention(layer.self_attention, _norm(layer.input_layernorm, x), step, cache_kv),
-                               self.groups.tp)
+            h = _norm(layer.input_layernorm, x)
+            if state is not None:
+                out = layer.self_attention.step(h, state, step.valid)
+            else:
+                out = self._attention(layer.self_attention, h, step, cache_kv)
+            return _all_reduce(out, self.groups.tp)
 
         return attention, lambda x: self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, x), routing)
 
-    def _layer(self, layer, x: torch.Tensor, step: _Step, cache_kv: torch.Tensor, routing) -> torch.Tensor:
-        attention, mlp = self._sublayers(layer, step, cache_kv, routing)
+    def _layer(self, layer, x: torch.Tensor, step: _Step, cache_kv: torch.Tensor, routing,
+               state=None) -> torch.Tensor:
+        attention, mlp = self._sublayers(layer, step, cache_kv, routing, state)
         x = x + attention(x)
         return x + mlp(x)
 
     @torch.inference_mode()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
-               routing: Optional[list] = None) -> torch.Tensor:
+               routing: Optional[list] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final-normed hidden states [s, b, h] of `tokens` [b, s] at `positions` [b, s], placed after each
         sample's `lengths` [b] cached tokens (their latents are appended). `routing`, when a list, receives each
-        MoE layer's chosen experts [s * b, topk] (rows in [s, b] order, experts as the router ranks them)."""
+        MoE layer's chosen experts [s * b, topk] (rows in [s, b] order, experts as the router ranks them).
+        `valid` [b, s] marks the real tokens of right-padded rows (KDA states must not absorb padding)."""
         with platform.without_device_mapping():
-            step = self._step(positions, lengths, cache)
+            step = self._step(positions, lengths, cache, valid)
             x = self._embed(tokens)
             if attn_residuals.is_installed(self.model.decoder):  # depth mixtures of these tokens' own outputs
                 x = attn_residuals.run_layers(self.model.decoder, x, [
-                    self._sublayers(layer, step, cache.kv[i], routing) for i, layer in enumerate(self.layers)])
+                    self._sublayers(layer, step, cache.kv[i], routing, cache.states[i])
+                    for i, layer in enumerate(self.layers)])
             else:
                 for i, layer in enumerate(self.layers):
-                    x = self._layer(layer, x, step, cache.kv[i], routing)
+                    x = self._layer(layer, x, step, cache.kv[i], routing, cache.states[i])
             return _norm(self.model.decoder.final_layernorm, x)
 
     @torch.inference_mode()
@@ -813,13 +851,16 @@ class _Batch:
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=dev)
         positions = torch.arange(width, device=dev).unsqueeze(0).expand(P, -1).contiguous()
         routing = [] if record else None
-        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing)
+        valid = None
+        if min(lens) != width:  # right-padding must not reach a KDA layer's state
+            valid = positions < torch.tensor(lens, device=dev).unsqueeze(1)
+        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing, valid)
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
         counts = torch.tensor(self.counts, dtype=torch.long, device=dev)
         if any(c != 1 for c in self.counts):  # fork each prompt's cache to its samples
-            cache.kv = [t.repeat_interleave(counts, dim=0) for t in cache.kv]
+            cache.fork(counts)
             last = last.repeat_interleave(counts, dim=0)
         if record:
             self.prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
@@ -842,9 +883,7 @@ class _Batch:
                 where = {r: i for i, r in enumerate(in_cache)}
                 keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
                 used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
-                for t in cache.kv:
-                    t[: len(forward), :used] = t[keep, :used]
-                cache.kv = [t[: len(forward)] for t in cache.kv]
+                cache.keep(keep, used)
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)

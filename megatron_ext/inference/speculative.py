@@ -104,6 +104,10 @@ class _Speculation:
         if max_len > engine.model.max_sequence_length:
             raise ValueError(f"prompt + max_tokens exceeds the model's {engine.model.max_sequence_length}")
         self.dev = engine.device
+        if any(r is not None for r in engine.recurrent):
+            raise ValueError("MTP speculative decoding is not supported for Kimi Linear (KDA) models: rejected "
+                             "draft tokens cannot be taken back out of a recurrent state; generate without "
+                             "speculation")
         self.main_cache = engine.new_cache(len(engine.layers), 1, max_len)
         self.mtp_cache = engine.new_cache(depth, 1, max_len)
         self.inputs = torch.empty(depth, max_len, engine.config.hidden_size, dtype=engine.dtype, device=self.dev)

@@ -53,6 +53,12 @@ class ModelPreset:
     untie_embeddings_and_output_weights: bool = True
     mtp_num_layers: int = 0
     seq_length: int = 4096
+    # Kimi Linear hybrid (models/kda.py): 'K' (Kimi Delta Attention) or 'M' (MLA) per layer; None: all MLA
+    hybrid_layer_pattern: Optional[str] = None
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv_kernel: int = 4
+    mla_nope: bool = False  # MLA layers without positional encoding
     # Attention Residuals (models/attn_residuals.py): None, "full" or "block"; block size in sublayers (0: ~8 blocks)
     attention_residuals: Optional[str] = None
     attn_res_block_size: int = 0
@@ -134,11 +140,65 @@ TINY = ModelPreset(
 # No q LoRA (q_lora_rank None) and two dense layers: the DeepSeek-V2-Lite-style corner of the same family.
 TINY_NO_QLORA = TINY.replace(q_lora_rank=None, first_k_dense=2)
 
+# Kimi-Linear-48B-A3B: KDA layers with MLA at layers 4, 8, ..., 24 and the last (1-indexed), no positional encoding
+# in MLA, 256 experts top-8 + 1 shared, first layer dense.
+KIMI_LINEAR_48B = ModelPreset(
+    num_layers=27,
+    hidden_size=2304,
+    ffn_hidden_size=9216,
+    num_attention_heads=32,
+    vocab_size=163840,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+    num_experts=256,
+    moe_router_topk=8,
+    moe_ffn_hidden_size=1024,
+    moe_shared_expert_intermediate_size=1024,
+    first_k_dense=1,
+    moe_router_topk_scaling_factor=2.446,
+    rope_type="rope",
+    max_position_embeddings=1048576,
+    norm_epsilon=1e-5,
+    seq_length=4096,
+    hybrid_layer_pattern="KKKM" * 6 + "KKM",
+    kda_num_heads=32,
+    kda_head_dim=128,
+    kda_conv_kernel=4,
+    mla_nope=True,
+)
+
+# Every feature of the hybrid at CPU size: KDA and position-free MLA layers, a dense first layer, MoE, MTP.
+TINY_KIMI_LINEAR = TINY.replace(q_lora_rank=None, rope_type="rope", rotary_scaling_factor=1.0,
+                                hybrid_layer_pattern="KKKM", kda_num_heads=4, kda_head_dim=16, kda_conv_kernel=4,
+                                mla_nope=True)
+
 PRESETS: dict[str, ModelPreset] = {
     "kimi-k2.5": KIMI_K2_5,
     "tiny": TINY,
     "tiny-no-qlora": TINY_NO_QLORA,
+    "kimi-linear-48b": KIMI_LINEAR_48B,
+    "tiny-kimi-linear": TINY_KIMI_LINEAR,
 }
+
+
+def parse_layer_pattern(text: str, num_layers: int, flag: str = "--hybrid-layer-pattern") -> str:
+    """'KKKM...' or 'KDA KDA KDA MLA ...' (spaces ignored, case-insensitive) -> one 'K'/'M' per layer."""
+    words = text.upper().split()
+    if words and all(w in ("KDA", "MLA") for w in words):
+        pattern = "".join(w[0] if w == "KDA" else "M" for w in words)
+    else:
+        pattern = "".join(words)
+    bad = sorted(set(pattern) - {"K", "M"})
+    if bad:
+        raise ValueError(f"{flag} {text!r}: unknown layer kind(s) {bad}; use K (Kimi Delta Attention) and M (MLA), "
+                         "e.g. 'KKKM' or 'KDA KDA KDA MLA'")
+    if len(pattern) != num_layers:
+        raise ValueError(f"{flag} {text!r} names {len(pattern)} layers but --num-layers is {num_layers}; give one "
+                         "K or M per layer")
+    return pattern
 
 
 def get_preset(name: str) -> ModelPreset:
@@ -161,6 +221,19 @@ def _attention_params(p: ModelPreset) -> int:
     return q + kv + out + h  # + input norm
 
 
+def _kda_params(p: ModelPreset) -> int:
+    h, n, d = p.hidden_size, p.kda_num_heads, p.kda_head_dim
+    qkv = 3 * h * n * d + 3 * n * d * p.kda_conv_kernel  # projections, short convolutions
+    gates = 2 * (h * d + d * n * d) + n * d + n + h * n  # forget and output gates (low rank), dt_bias, A_log, beta
+    return qkv + gates + d + n * d * h + h  # + output norm, output projection, input norm
+
+
+def _layer_attention_params(p: ModelPreset, i: int) -> int:
+    if p.hybrid_layer_pattern and p.hybrid_layer_pattern[i] == "K":
+        return _kda_params(p)
+    return _attention_params(p)
+
+
 def _mlp_params(h: int, ffn: int) -> int:
     return 3 * h * ffn  # gated (SwiGLU): gate, up, down
 
@@ -179,8 +252,8 @@ def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int
     """
     h = p.hidden_size
     total = active = 0
-    for is_moe in p.moe_layer_pattern:
-        attn = _attention_params(p)
+    for i, is_moe in enumerate(p.moe_layer_pattern):
+        attn = _layer_attention_params(p, i)
         post_norm = h
         if is_moe:
             total += attn + post_norm + _moe_params(p, p.num_experts)
@@ -198,7 +271,7 @@ def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int
         active += (2 * p.num_layers + 1) * h
     if include_mtp and p.mtp_num_layers:
         last_is_moe = p.moe_layer_pattern[-1]
-        layer = _attention_params(p) + h + (_moe_params(p, p.num_experts) if last_is_moe
+        layer = _layer_attention_params(p, p.num_layers - 1) + h + (_moe_params(p, p.num_experts) if last_is_moe
                                              else _mlp_params(h, p.ffn_hidden_size))
         # enorm, hnorm, eh_proj (2h -> h), the transformer layer, a final norm; embedding and head are shared
         total += p.mtp_num_layers * (2 * h + 2 * h * h + layer + h)

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ext import gpu, platform
 from megatron_ext.models import attn_residuals
+from megatron_ext.models.kda import HybridSpec
 from megatron_ext.models.presets import ModelPreset, parameter_counts
 from megatron_ext.models.specs import ReplicatedLinear, decoder_block_spec, mtp_block_spec
 
@@ -95,7 +96,8 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
                    vp_stage=None, config: MLATransformerConfig | None = None) -> GPTModel:
     """The model piece this rank holds: its pipeline stage, its tensor and expert shards."""
     config = config or transformer_config(args)
-    layer_spec = decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage)
+    hybrid = HybridSpec.from_arch(args.arch)  # Kimi Linear: KDA / position-free MLA layers
+    layer_spec = decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage, hybrid=hybrid)
     if args.arch.attention_residuals:
         layer_spec = attn_residuals.layer_specs(layer_spec)  # sublayers return their own outputs
     model = ComposerGPTModel(
@@ -108,7 +110,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
         parallel_output=True,
         share_embeddings_and_output_weights=not args.arch.untie_embeddings_and_output_weights,
         position_embedding_type="rope",  # MLA builds its own (YaRN) rotary embedding
-        mtp_block_spec=mtp_block_spec(config, args.transformer_impl, vp_stage=vp_stage),
+        mtp_block_spec=mtp_block_spec(config, args.transformer_impl, vp_stage=vp_stage, hybrid=hybrid),
         vp_stage=vp_stage,
         mtp_loss=getattr(args, "mtp_loss", "ce"),
         mtp_distill_temperature=getattr(args, "mtp_distill_temperature", 1.0),

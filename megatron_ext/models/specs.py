@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_ext.models.attention import CoreAttention
+from megatron_ext.models.kda import HybridSpec, hybrid_layer_spec
 from megatron_ext.models.mla import ContextParallelMLA
 from megatron_ext.models.norm import RMSNorm
 from megatron_ext.models.te_layout import fused_norm_keys
@@ -87,8 +88,20 @@ def mla_layer_spec(backend: LocalSpecProvider, num_experts: int | None) -> Modul
     )
 
 
-def decoder_block_spec(config: TransformerConfig, transformer_impl: str, vp_stage=None) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds, dense or MoE as `config.moe_layer_freq` says."""
+def decoder_block_spec(config: TransformerConfig, transformer_impl: str, vp_stage=None,
+                       hybrid: HybridSpec | None = None) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage builds, dense or MoE as `config.moe_layer_freq` says; with `hybrid`, KDA
+    or position-free MLA attention per layer as its pattern says (Kimi Linear)."""
+    block = _decoder_block_spec(config, transformer_impl, vp_stage)
+    if hybrid is None:
+        return block
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    block.layer_specs = [hybrid_layer_spec(spec, hybrid.pattern[offset + j], hybrid, LocalBackend())
+                         for j, spec in enumerate(block.layer_specs)]
+    return block
+
+
+def _decoder_block_spec(config: TransformerConfig, transformer_impl: str, vp_stage=None) -> TransformerBlockSubmodules:
     if transformer_impl == "transformer_engine":
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
@@ -104,11 +117,14 @@ def decoder_block_spec(config: TransformerConfig, transformer_impl: str, vp_stag
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=backend.layer_norm(True))
 
 
-def mtp_block_spec(config: TransformerConfig, transformer_impl: str, vp_stage=None):
+def mtp_block_spec(config: TransformerConfig, transformer_impl: str, vp_stage=None,
+                   hybrid: HybridSpec | None = None):
     """MTP layers (on the last pipeline stage), each wrapping a copy of the last decoder layer's spec."""
     if not config.mtp_num_layers:
         return None
     block = decoder_block_spec_full(config, transformer_impl)
+    if hybrid is not None:
+        block = hybrid_layer_spec(block, hybrid.pattern[-1], hybrid, LocalBackend())
     if transformer_impl == "transformer_engine":
         return get_gpt_mtp_block_spec(config, block, use_transformer_engine=True, vp_stage=vp_stage)
     return get_gpt_mtp_block_spec_for_backend(config, block, backend=LocalBackend(), vp_stage=vp_stage)

@@ -11,7 +11,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
-from megatron_ext.inference.engine import InferenceEngine, LatentCache
+from megatron_ext.inference.engine import InferenceEngine
 from megatron_ext.models.attn_residuals import DepthSources, resolve_block_size
 from megatron_ext.models.presets import parameter_counts
 from megatron_ext.models.te_layout import te_spec_on_cpu
@@ -148,18 +148,17 @@ def test_gradients_reach_the_queries_and_checkpoint_keys_match_both_backends(sin
     torch.testing.assert_close(_logits(te, tokens), _logits(model, tokens), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_cached_decoding_equals_the_full_forward(mode, single_rank):
-    """Prefill, then one token at a time with the latent KV cache: the logits of Megatron-Core's uncached forward,
-    with non-zero queries (layout-invariant init draws them)."""
-    _, model = _model(MODES[mode])
+@pytest.mark.parametrize("preset, mode", [("tiny", "full"), ("tiny", "block"), ("tiny-kimi-linear", "block")])
+def test_cached_decoding_equals_the_full_forward(preset, mode, single_rank):
+    """Prefill, then one token at a time with the latent KV cache (and KDA states in the hybrid): the logits of
+    Megatron-Core's uncached forward, with non-zero queries (layout-invariant init draws them)."""
+    _, model = _model(MODES[mode] + ["--model", preset])
     init_layout_invariant_(model, seed=3)
     assert float(model.decoder.final_attn_res.query.abs().max()) > 0
     model.eval()
     eng = InferenceEngine(model)
     ids = torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    cache = LatentCache(len(eng.layers), 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim,
-                        torch.float32, "cpu")
+    cache = eng.new_cache(len(eng.layers), 1, 32)
     parts = [eng.forward(torch.tensor([ids[:12]]), torch.arange(12).unsqueeze(0), cache, torch.tensor([0]))[0]]
     for t in range(12, len(ids)):
         parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
