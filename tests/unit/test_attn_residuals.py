@@ -11,6 +11,8 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 import pretrain_composer as entry
 from megatron_ext.arguments import ArgumentError, parse_args
+from megatron_ext.convert.hf import ConversionError
+from megatron_ext.convert.streaming import export_hf
 from megatron_ext.inference.engine import InferenceEngine
 from megatron_ext.models.attn_residuals import DepthSources, resolve_block_size
 from megatron_ext.models.presets import parameter_counts
@@ -226,6 +228,9 @@ def test_checkpoint_round_trip_and_architecture_check(tmp_path, single_rank):
     plain_args = argparse.Namespace(**{**vars(plain_args), "load": str(tmp_path), "finetune": True})
     with pytest.raises(CheckpointError, match="--attention-residuals None here, block in the checkpoint"):
         load_checkpoint(plain_args, [plain], None, None, log=lambda *a, **k: None)
+    # no Hugging Face model type has them: export says so instead of dropping the queries
+    with pytest.raises(ConversionError, match="uses --attention-residuals block, which no Hugging Face model type"):
+        export_hf(str(tmp_path), str(tmp_path / "hf"), log=lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("flags, world, message", [
