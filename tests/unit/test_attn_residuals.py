@@ -255,3 +255,32 @@ def test_none_turns_it_off_and_block_size_defaults_to_eight_blocks():
     assert parse_args(["--attention-residuals", "none"], world_size=1).arch.attention_residuals is None
     assert resolve_block_size("block", 0, 27) == 7  # 54 sublayers in about 8 blocks
     assert resolve_block_size("block", 4, 27) == 4 and resolve_block_size("full", 0, 27) is None
+
+
+def test_every_tensor_stays_on_the_device():
+    """The meta device as the GPU (a host tensor meeting a device tensor raises): queries, sources and mixtures
+    live on the model's device; dense, as Megatron-Core's MoE dispatcher has ops without meta kernels."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_ext.models.provider import model_provider
+    from megatron_ext.mtp import distill
+    from megatron_ext.testing import meta_device_as_gpu
+
+    args = parse_args(["--model", "tiny", "--mock-data", "--num-experts", "0", "--seq-length", "32",
+                       "--micro-batch-size", "2", *MODES["block"]], world_size=1)
+    initialize_distributed(args)
+    try:
+        with meta_device_as_gpu():
+            with torch.device("meta"):
+                model = model_provider(args)
+            output, loss_func = entry.forward_step(entry.train_data_iterator(args, 0), model)
+            loss_func(output)[0].backward()
+        queries = [p for n, p in model.named_parameters() if "attn_res" in n]
+        assert len(queries) == 9 and all(p.device.type == "meta" and p.grad.device.type == "meta" for p in queries)
+        assert output.device.type == "meta"
+    finally:
+        distill._METRICS.clear()
+        MTPLossLoggingHelper.tracker.clear()
+        clear_aux_losses_tracker()
+        destroy()
