@@ -15,7 +15,9 @@ with a note, while that preset does not exist.
 Measured per arm: the held-out loss (64 windows of 256 tokens from the documents that --split keeps out of
 training: the validation and test splits), the validation-split loss logged during training (every
 --eval-interval steps, the curves plotted) and the mean training loss over the last 10 % of steps. With several
---seeds the mean and the spread (max - min) over seeds are printed. Writes docs/arch_compare.png and prints a JSON
+--seeds: per-seed values, mean and standard deviation, and each arm's mean paired difference to the baseline (same
+seed, same batches) with its standard error. Seeds can be run one invocation at a time into the same --out and
+summarised together with --reuse --seeds ... . Writes docs/arch_compare.png and prints a JSON
 summary (the figures docs/benchmarks.md records).
 """
 
@@ -94,6 +96,11 @@ def measure(arm: str, out: str, windows) -> dict:
             "train_loss_last_10pct": sum(v for _, v in tail) / len(tail), "validation_curve": valid_curve}
 
 
+def _std(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "arch_compare"))
@@ -128,15 +135,19 @@ def main() -> int:
         valid = [r["final_validation_loss"] for r in rs if r["final_validation_loss"] is not None]
         summary[arm] = {
             "parameters": parameters(arm), "flags": " ".join(ARMS[arm]), "seeds": [r["seed"] for r in rs],
-            "held_out_loss_mean": sum(held) / len(held), "held_out_loss_spread": max(held) - min(held),
+            "held_out_loss_per_seed": held, "held_out_loss_mean": sum(held) / len(held),
+            "held_out_loss_std": _std(held) if len(held) > 1 else None,
             "final_validation_loss_mean": sum(valid) / len(valid) if valid else None,
             "train_loss_last_10pct_mean": sum(r["train_loss_last_10pct"] for r in rs) / len(rs),
             "wall_seconds_per_iteration_incl_startup_and_eval": [r["wall_seconds_per_iteration"] for r in rs],
         }
     if "baseline" in summary:
-        base = summary["baseline"]["held_out_loss_mean"]
-        for arm in summary:
-            summary[arm]["held_out_vs_baseline"] = summary[arm]["held_out_loss_mean"] - base
+        base = {r["seed"]: r["held_out_loss"] for r in runs["baseline"]}
+        for arm, rs in runs.items():
+            diffs = [r["held_out_loss"] - base[r["seed"]] for r in rs if r["seed"] in base]
+            summary[arm]["held_out_vs_baseline_mean"] = sum(diffs) / len(diffs)
+            # standard error of the mean paired difference (same seed: same batches in the same order)
+            summary[arm]["held_out_vs_baseline_stderr"] = _std(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
 
     import matplotlib
 
@@ -157,13 +168,13 @@ def main() -> int:
     names = list(summary)
     means = [summary[n]["held_out_loss_mean"] for n in names]
     bx.bar(names, means, color=[COLOURS[n] for n in names],
-           yerr=[summary[n]["held_out_loss_spread"] / 2 for n in names] if len(a.seeds) > 1 else None)
+           yerr=[summary[n]["held_out_loss_std"] for n in names] if len(a.seeds) > 1 else None, capsize=4)
     lo, hi = min(means), max(means)
     bx.set_ylim(lo - max(0.05, 2 * (hi - lo)), hi + max(0.02, 0.5 * (hi - lo)))
     for i, n in enumerate(names):
         bx.text(i, means[i], f"{means[i]:.3f}\n{summary[n]['parameters'] / 1e3:.1f}K params", ha="center",
                 va="bottom", fontsize=8)
-    bx.set_ylabel("held-out loss after training (nats/token)")
+    bx.set_ylabel("held-out loss after training (nats/token)" + (", mean ± std over seeds" if len(a.seeds) > 1 else ""))
     bx.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"Same budget on the Python standard library: {a.iters} steps x {tokens_per_step} tokens, "
                  f"seeds {a.seeds}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""), fontsize=10)
