@@ -44,3 +44,23 @@ def test_layout_matches_single_rank(mode, layout):
             assert scale > 0, f"step {step} {key}: no gradient in the one-rank run"
             err = float((got["full_grads"][key] - ref).abs().max())
             assert err <= GRAD_RTOL * scale, f"step {step} {key}: max |diff| {err:.3g} vs max |grad| {scale:.3g}"
+
+
+@pytest.mark.slow  # two spawned runs, ~60 s on a loaded 2-core machine
+def test_tp2_generation_matches_one_rank():
+    """The engine's AttnRes decode path under TP2: every request kind (greedy, seeded sampling, MTP speculation,
+    groups, teacher-forced logits) gives one rank's tokens and log-probabilities."""
+    import torch
+
+    from tests.distributed.test_inference_parallel import _run
+
+    flags = ["--model", "tiny", "--mock-data", "--seed", "5", *MODES["block"]]
+    reference = _run(flags, world=1)[0]
+    ranks = _run(flags + LAYOUTS["tp2_sp"], world=2)
+    assert ranks[0] == ranks[1]
+    torch.testing.assert_close(torch.tensor(ranks[0]["teacher_forced"]), torch.tensor(reference["teacher_forced"]),
+                               rtol=1e-5, atol=1e-5)
+    for kind in ("greedy_batch", "sampled_seeded", "speculative_greedy", "groups"):
+        for mine, want in zip(ranks[0][kind], reference[kind], strict=True):
+            assert mine["ids"] == want["ids"], kind
+            assert mine["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), kind

@@ -18,7 +18,7 @@ from megatron_ext.models.attn_residuals import DepthSources, resolve_block_size
 from megatron_ext.models.presets import parameter_counts
 from megatron_ext.models.te_layout import te_spec_on_cpu
 from megatron_ext.testing import init_layout_invariant_
-from megatron_ext.training.checkpointing import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
+from megatron_ext.training.checkpointing import CheckpointError, checkpoint_arch, load_checkpoint, read_tracker, save_checkpoint
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.lm import forward_step, train_data_iterator
 from megatron_ext.training.step import build_model, setup_model_and_optimizer, train_step
@@ -224,6 +224,7 @@ def test_checkpoint_round_trip_and_architecture_check(tmp_path, single_rank):
     for (name, p), (_, q) in zip(model.named_parameters(), back[0].named_parameters()):
         assert torch.equal(p, q), name
     assert float(back[0].decoder.final_attn_res.query.abs().max()) > 0
+    assert checkpoint_arch(str(tmp_path)).attention_residuals == "block"  # what --use-checkpoint-args restores
     plain_args, plain = _model([])
     plain_args = argparse.Namespace(**{**vars(plain_args), "load": str(tmp_path), "finetune": True})
     with pytest.raises(CheckpointError, match="--attention-residuals None here, block in the checkpoint"):
