@@ -174,7 +174,8 @@ def main() -> int:
     for i, n in enumerate(names):
         bx.text(i, means[i], f"{means[i]:.3f}\n{summary[n]['parameters'] / 1e3:.1f}K params", ha="center",
                 va="bottom", fontsize=8)
-    bx.set_ylabel("held-out loss after training (nats/token)" + (", mean ± std over seeds" if len(a.seeds) > 1 else ""))
+    spread = ", mean ± std over seeds" if len(a.seeds) > 1 else ""
+    bx.set_ylabel(f"held-out loss after training (nats/token){spread}")
     bx.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"Same budget on the Python standard library: {a.iters} steps x {tokens_per_step} tokens, "
                  f"seeds {a.seeds}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""), fontsize=10)

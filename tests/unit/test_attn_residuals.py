@@ -18,7 +18,8 @@ from megatron_ext.models.attn_residuals import DepthSources, resolve_block_size
 from megatron_ext.models.presets import parameter_counts
 from megatron_ext.models.te_layout import te_spec_on_cpu
 from megatron_ext.testing import init_layout_invariant_
-from megatron_ext.training.checkpointing import CheckpointError, checkpoint_arch, load_checkpoint, read_tracker, save_checkpoint
+from megatron_ext.training.checkpointing import (CheckpointError, checkpoint_arch, load_checkpoint, read_tracker,
+                                                 save_checkpoint)
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.lm import forward_step, train_data_iterator
 from megatron_ext.training.step import build_model, setup_model_and_optimizer, train_step
