@@ -138,7 +138,9 @@ class DepthSources:
 
 
 class PseudoQueries(torch.nn.Module):
-    """Zero-initialised pseudo-queries, one 1-D parameter per name."""
+    """Zero-initialised pseudo-queries, one 1-D parameter per name. Read them by calling the module
+    (``queries("mlp_query")``): Megatron-Core's DDP waits for a parameter's all-gather (--overlap-param-gather) in
+    a forward pre-hook of the module that owns it."""
 
     def __init__(self, names: tuple[str, ...], hidden_size: int, dtype, device, sequence_parallel: bool):
         super().__init__()
@@ -146,6 +148,9 @@ class PseudoQueries(torch.nn.Module):
             p = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
             setattr(p, "sequence_parallel", sequence_parallel)  # TP ranks see different sequence shards
             self.register_parameter(name, p)
+
+    def forward(self, name: str) -> torch.nn.Parameter:
+        return getattr(self, name)
 
 
 def _bias_dropout(x_with_bias, residual, prob: float, training: bool) -> torch.Tensor:
@@ -221,7 +226,7 @@ def _mixing_hook(decoder, queries: PseudoQueries, name: str, first: bool = False
             sources = decoder._attn_res_sources = DepthSources(x, decoder.attn_res_block_size, decoder.attn_res_eps)
         else:  # the previous sublayer's output
             sources.add(x)
-        return (sources.mix(getattr(queries, name)),) + rest
+        return (sources.mix(queries(name)),) + rest
 
     return hook
 
@@ -240,6 +245,6 @@ def run_layers(decoder, x: torch.Tensor, sublayers: list[tuple[Callable, Callabl
     functions of their input: the sources are those tokens' own sublayer outputs, kept for this step only."""
     sources = DepthSources(x, decoder.attn_res_block_size, decoder.attn_res_eps)
     for layer, (attention, mlp) in zip(decoder.layers, sublayers):
-        sources.add(attention(sources.mix(layer.attn_res.attention_query)))
-        sources.add(mlp(sources.mix(layer.attn_res.mlp_query)))
-    return sources.mix(decoder.final_attn_res.query)
+        sources.add(attention(sources.mix(layer.attn_res("attention_query"))))
+        sources.add(mlp(sources.mix(layer.attn_res("mlp_query"))))
+    return sources.mix(decoder.final_attn_res("query"))

@@ -64,3 +64,17 @@ def test_tp2_generation_matches_one_rank():
         for mine, want in zip(ranks[0][kind], reference[kind], strict=True):
             assert mine["ids"] == want["ids"], kind
             assert mine["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), kind
+
+
+@pytest.mark.slow  # ~40 s
+def test_overlapped_distributed_optimizer_matches_single_rank():
+    """DP2 with the distributed optimizer, overlapped gradient reduce-scatter and parameter all-gather: every
+    bucket gets its gradients (the first layer's attention query has an exactly zero one, not none) and the queries'
+    all-gather is waited for (they are read by calling their module, where DDP's forward pre-hook sits)."""
+    flags = BASE + MODES["block"]
+    reference = run_layout(flags, world=1, steps=3)
+    result = run_layout(flags + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+                        world=2, steps=3)
+    for got, want in zip(result, reference, strict=True):
+        assert math.isclose(got["losses"]["lm loss"], want["losses"]["lm loss"], rel_tol=RTOL)
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=RTOL)
