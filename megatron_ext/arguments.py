@@ -472,7 +472,7 @@ def validate_args(args: argparse.Namespace):
 
 
 def _validate_hybrid(args: argparse.Namespace):
-    """The Kimi Linear flags: a pattern with one K/M per layer, KDA heads that split over TP, no CP."""
+    """The Kimi Linear flags: a pattern with one K/M per layer, KDA heads that split over TP."""
     arch: ModelPreset = args.arch
     if arch.mla_nope and arch.rope_type != "rope":
         _fail("--mla-nope needs --position-embedding-type rope (YaRN rescales positions MLA no longer uses)")
@@ -493,10 +493,6 @@ def _validate_hybrid(args: argparse.Namespace):
     if arch.kda_num_heads % args.tensor_model_parallel_size:
         _fail(f"--kda-num-heads {arch.kda_num_heads} is not divisible by --tensor-model-parallel-size "
               f"{args.tensor_model_parallel_size}")
-    if args.context_parallel_size > 1:
-        _fail(f"--context-parallel-size {args.context_parallel_size}: Kimi Delta Attention layers do not support "
-              "context parallelism (their recurrent state would pass between ranks); use CP 1 or an all-MLA "
-              "--hybrid-layer-pattern")
 
 
 def _validate_batch(args: argparse.Namespace):

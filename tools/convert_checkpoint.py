@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron checkpoints for DeepSeek-V3 / Kimi K2 / Kimi K2.5, streamed tensor by tensor.
+"""Hugging Face <-> Megatron checkpoints for DeepSeek-V3 / Kimi K2 / Kimi K2.5 / Kimi Linear, streamed tensor by tensor.
 
     python tools/convert_checkpoint.py import --hf-dir HF --save CKPT [--dtype bf16] [--no-mtp]
     python tools/convert_checkpoint.py export --load CKPT --hf-dir OUT [--mtp] [--dtype bf16] [--overwrite]

@@ -2,7 +2,7 @@
 
 Layouts understood: ``deepseek_v3`` and ``kimi_k2`` (the same architecture under two model types) and
 ``kimi_k25`` (the text backbone as ``text_config``, weights under a language-model prefix, next to a vision
-tower that conversion skips). Weight formats: bf16/fp16/fp32; FP8 e4m3 with 128x128 block scales
+tower that conversion skips), and ``kimi_linear`` (convert/kimi_linear.py). Weight formats: bf16/fp16/fp32; FP8 e4m3 with 128x128 block scales
 (``weight_scale_inv``, the DeepSeek-V3 / Kimi K2 release format); INT4 symmetric group quantisation packed into
 int32 (compressed-tensors "pack-quantized", ``weight_packed`` / ``weight_scale`` / ``weight_shape``, the K2.5
 release format for routed experts). Quantised weights are dequantised on the fly, one tensor at a time.
@@ -62,6 +62,15 @@ def _rope(text: dict) -> dict:
     return rope
 
 
+def backbone_fields(text: dict) -> dict:
+    """The preset fields every DeepSeek-V3-family config (Kimi Linear's too) names the same way: sizes and MLA."""
+    return dict(num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
+                ffn_hidden_size=text["intermediate_size"], num_attention_heads=text["num_attention_heads"],
+                vocab_size=text["vocab_size"], q_lora_rank=text.get("q_lora_rank"), kv_lora_rank=text["kv_lora_rank"],
+                qk_head_dim=text["qk_nope_head_dim"], qk_pos_emb_head_dim=text["qk_rope_head_dim"],
+                v_head_dim=text["v_head_dim"])
+
+
 def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
     """The Megatron architecture for a DeepSeek-V3-family text config; refuses what Megatron cannot express."""
     if text.get("model_type") == kimi_linear.MODEL_TYPE:
@@ -88,16 +97,7 @@ def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
     yarn = rope["rope_type"] == "yarn"
     shared = (text.get("n_shared_experts") or 0) * (text.get("moe_intermediate_size") or 0)
     return ModelPreset(
-        num_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        ffn_hidden_size=text["intermediate_size"],
-        num_attention_heads=text["num_attention_heads"],
-        vocab_size=text["vocab_size"],
-        q_lora_rank=text.get("q_lora_rank"),
-        kv_lora_rank=text["kv_lora_rank"],
-        qk_head_dim=text["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=text["qk_rope_head_dim"],
-        v_head_dim=text["v_head_dim"],
+        **backbone_fields(text),
         num_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=text.get("moe_intermediate_size") or text["intermediate_size"],

@@ -90,7 +90,7 @@ def layer_pattern(text: dict, source: str) -> str:
 
 def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
     """The Megatron architecture of a kimi_linear config.json; refuses what Megatron cannot express."""
-    from megatron_ext.convert.hf import ConversionError
+    from megatron_ext.convert.hf import ConversionError, backbone_fields
 
     def need(cond, msg):
         if not cond:
@@ -130,16 +130,7 @@ def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
         (text.get("moe_intermediate_size") or 0)
     max_pos = _first(text, "model_max_length", "max_position_embeddings", default=4096)
     return ModelPreset(
-        num_layers=n,
-        hidden_size=text["hidden_size"],
-        ffn_hidden_size=text["intermediate_size"],
-        num_attention_heads=text["num_attention_heads"],
-        vocab_size=text["vocab_size"],
-        q_lora_rank=text.get("q_lora_rank"),
-        kv_lora_rank=text["kv_lora_rank"],
-        qk_head_dim=text["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=text["qk_rope_head_dim"],
-        v_head_dim=text["v_head_dim"],
+        **backbone_fields(text),
         num_experts=experts or None,
         moe_router_topk=topk,
         moe_ffn_hidden_size=text.get("moe_intermediate_size") or text["intermediate_size"],

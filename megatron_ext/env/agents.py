@@ -25,7 +25,9 @@ class AgentError(RuntimeError):
 
 
 def load_actions(path: str) -> list[dict]:
-    """ACTIONS.json: a JSON list of {"name": ..., "arguments": {...} or a raw argument string}.
+    """ACTIONS.json: a JSON list of {"name": ..., "arguments": {...} or a raw argument string}, one per turn; an
+    entry that is itself a list of such calls is one turn making several calls (e.g. an orchestrator that creates
+    and assigns sub-agents at once).
 
     The shape of each entry is checked here; the arguments are not (a script may test malformed calls)."""
     try:
@@ -35,32 +37,43 @@ def load_actions(path: str) -> list[dict]:
         raise AgentError(f"{path}: cannot read ({e.strerror})") from None
     except ValueError as e:
         raise AgentError(f"{path}: invalid JSON ({e})") from None
+    return check_actions(actions, path)
+
+
+def check_actions(actions, where: str) -> list:
+    """actions, checked to be a list of tool calls (or lists of them, one turn each); errors name `where`."""
     if not isinstance(actions, list):
-        raise AgentError(f"{path}: expected a JSON list of tool calls")
-    for i, a in enumerate(actions):
-        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or set(a) - {"name", "arguments"}:
-            raise AgentError(f"{path}[{i}]: each action is {{\"name\": TOOL, \"arguments\": {{...}}}}")
+        raise AgentError(f"{where}: expected a JSON list of tool calls")
+    for i, turn in enumerate(actions):
+        for a in turn if isinstance(turn, list) and turn else [turn]:
+            if not isinstance(a, dict) or not isinstance(a.get("name"), str) or set(a) - {"name", "arguments"}:
+                raise AgentError(f"{where}[{i}]: each action is {{\"name\": TOOL, \"arguments\": {{...}}}} (or a "
+                                 "non-empty list of them: one turn with several calls)")
     return actions
 
 
 class ScriptAgent:
-    """Plays the given tool calls in order, one per turn, then calls finish."""
+    """Plays the given tool calls in order, one per turn (a list of calls: one turn), then calls finish."""
 
     def __init__(self, actions: list[dict], finish_message: str = SCRIPT_FINISH):
         self.actions, self.finish_message, self.next = list(actions), finish_message, 0
 
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
         if messages[-1]["role"] == "user" and messages[-1]["content"] == SUMMARY_REQUEST:
-            played = ", ".join(a["name"] for a in self.actions[: self.next]) or "nothing"
+            played = ", ".join(a["name"] for turn in self.actions[: self.next]
+                               for a in (turn if isinstance(turn, list) else [turn])) or "nothing"
             return {"content": f"Scripted agent: played {played}; {len(self.actions) - self.next} actions left."}
         if self.next < len(self.actions):
             action = self.actions[self.next]
             self.next += 1
         else:
             action = {"name": "finish", "arguments": {"message": self.finish_message}}
-        arguments = action.get("arguments", {})
-        return {"content": "", "tool_calls": [{"type": "function", "function": {
-            "name": action["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}]}
+        calls = []
+        for a in action if isinstance(action, list) else [action]:
+            arguments = a.get("arguments", {})
+            calls.append({"type": "function", "function": {
+                "name": a["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+        return {"content": "", "tool_calls": calls}
 
     def close(self):
         pass

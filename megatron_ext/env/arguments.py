@@ -41,3 +41,51 @@ def episode_config(args: argparse.Namespace, step: int = 0) -> EpisodeConfig:
                     processes=args.env_max_processes, output_bytes=args.env_output_kb << 10)
     return EpisodeConfig(sandbox=BubblewrapConfig(limits=limits, base_dir=args.env_sandbox_dir), weights=weights,
                          summarize_at=args.env_summarize_at)
+
+
+def add_swarm_args(parser: argparse.ArgumentParser):
+    """Flags of the agent swarm (megatron_ext/env/swarm.py): sub-agents, their policy, the PARL reward schedule."""
+    g = parser.add_argument_group("agent swarm")
+    g.add_argument("--swarm-subagent-policy", default=None,
+                   help="where sub-agent turns come from: endpoint:URL (an OpenAI-compatible server of a frozen "
+                        "checkpoint), local:CKPT (tools/serve.py started for the run), script:SCRIPTS.json "
+                        "({name: actions}), or pinned (rl_composer.py: the policy's weights at a pinned version, in "
+                        "a local engine copy)")
+    g.add_argument("--swarm-max-subagents", type=int, default=4,
+                   help="most sub-agents an orchestrator may create (and run at once)")
+    g.add_argument("--swarm-subagent-max-turns", type=int, default=20, help="turns of one sub-agent assignment")
+    g.add_argument("--swarm-subagent-max-tokens", type=int, default=32768,
+                   help="context token budget of one sub-agent assignment")
+    g.add_argument("--swarm-subagent-timeout-s", type=float, default=600.0,
+                   help="wall-clock limit of one sub-agent assignment (assign_task's timeout_s may lower it)")
+    g.add_argument("--swarm-subagent-tokens-per-turn", type=int, default=1024,
+                   help="generated tokens per sub-agent turn (endpoint/local/pinned policies)")
+    g.add_argument("--swarm-subagent-temperature", type=float, default=1.0, help="sub-agent sampling temperature")
+    g.add_argument("--swarm-subagent-pin-interval", type=int, default=0,
+                   help="pinned policy: copy the current weights into the sub-agents' engine every N RL steps "
+                        "(0: keep the version the run started from)")
+    g.add_argument("--swarm-parallel-reward-weight", type=float, default=0.1,
+                   help="lambda_1 of r_parallel at step 0 (rewards instantiating sub-agents)")
+    g.add_argument("--swarm-finish-reward-weight", type=float, default=0.1,
+                   help="lambda_2 of r_finish at step 0 (rewards sub-agents that finish their sub-task)")
+    g.add_argument("--swarm-reward-anneal-steps", type=int, default=100,
+                   help="RL steps over which both lambdas anneal to 0 (0: constant)")
+    g.add_argument("--swarm-reward-anneal", default="linear", choices=("linear", "cosine"),
+                   help="shape of the lambdas' annealing")
+
+
+def swarm_config(args: argparse.Namespace):
+    """The SwarmConfig the flags describe; raises ValueError naming the flag on a bad value."""
+    from megatron_ext.env.swarm import ParlSchedule, SwarmConfig
+
+    for flag in ("swarm_parallel_reward_weight", "swarm_finish_reward_weight"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    for flag in ("swarm_subagent_tokens_per_turn", "swarm_subagent_pin_interval"):
+        if getattr(args, flag) < (1 if flag.endswith("per_turn") else 0):
+            raise ValueError(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
+    schedule = ParlSchedule(args.swarm_parallel_reward_weight, args.swarm_finish_reward_weight,
+                            args.swarm_reward_anneal_steps, args.swarm_reward_anneal)
+    return SwarmConfig(max_subagents=args.swarm_max_subagents, subagent_max_turns=args.swarm_subagent_max_turns,
+                       subagent_max_tokens=args.swarm_subagent_max_tokens,
+                       subagent_timeout_s=args.swarm_subagent_timeout_s, schedule=schedule)

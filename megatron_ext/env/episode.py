@@ -16,6 +16,7 @@ calls become error observations and a failing agent ends the episode with status
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import json
 import math
@@ -123,6 +124,12 @@ def changed_paths(before: dict, after: dict) -> list[str]:
     return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
+def diff_lines(old: str, new: str) -> int:
+    """Lines a unified diff of old -> new adds plus lines it removes (how mined tasks count reference_diff_lines)."""
+    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(), autojunk=False)
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal")
+
+
 def _text(entry) -> Optional[str]:
     if entry is None:
         return ""
@@ -186,12 +193,14 @@ class Session:
     from the system prompt and the instruction plus the summary, the todo list and the files changed so far
     (``restarted`` is set). Every segment is a generation of the same episode and shares its final reward."""
 
+    system_prompt = SYSTEM_PROMPT  # a subclass (the swarm's orchestrator) sets its own
+
     def __init__(self, task: Task, config: Optional[EpisodeConfig] = None):
         self.task, self.config = task, config or EpisodeConfig()
         self.start = time.monotonic()
         self.status: Optional[str] = None  # set when the episode has ended
         self.error: Optional[str] = None
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+        self.messages = [{"role": "system", "content": self.system_prompt},
                          {"role": "user", "content": task.instruction}]
         self.result: Optional[EpisodeResult] = None
         self.segments: list[list[dict]] = []
@@ -274,7 +283,7 @@ class Session:
         state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
                  f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
                  f"## Todo list\n{todos}\n\n## Files changed so far\n{chr(10).join(changed) or '(none)'}")
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": state}]
+        self.messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": state}]
         self.segment_start_tokens = self.context_tokens()
         if self.turn_count >= self.task.max_turns:
             self.status = "max_turns"
@@ -328,7 +337,8 @@ class Session:
                 overlay(self.task.hidden_tests, grader.workspace)
             r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
         grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
-                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden}
+                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden,
+                   "diff_lines": sum(diff_lines(old, new) for old, new in changes.values())}
         count = self.config.count_tokens
         assistant = [m for m in messages if m["role"] == "assistant"]
         counts = {
@@ -349,11 +359,15 @@ class Session:
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
     """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
-    session = Session(task, config)
+    return drive(Session(task, config), agent, TOOL_SCHEMAS)
+
+
+def drive(session: Session, agent: Agent, tools: list[dict]) -> EpisodeResult:
+    """run_episode's loop over any Session (a subclass offers other tools: the swarm's orchestrator)."""
     try:
         while not session.done:
             try:
-                reply = agent.act([dict(m) for m in session.messages], TOOL_SCHEMAS)
+                reply = agent.act([dict(m) for m in session.messages], tools)
             except Exception as e:  # a broken agent or server ends this episode, not the run
                 session.fail(e)
                 break

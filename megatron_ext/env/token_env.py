@@ -32,7 +32,10 @@ class StepResult:
 
 
 class CodingEnv:
-    """One episode at a time over a Session; `score()` also frees the sandbox."""
+    """One episode at a time over a Session; `score()` also frees the sandbox. A subclass changes the episode kind
+    by overriding `tools` (the declarations rendered into prompts) and `new_session` (megatron_ext/env/swarm.py)."""
+
+    tools = TOOL_SCHEMAS
 
     def __init__(self, tokenizer, config: Optional[EpisodeConfig] = None, task_dir: str = "."):
         self.tokenizer, self.config, self.task_dir = tokenizer, config or EpisodeConfig(), task_dir
@@ -46,11 +49,14 @@ class CodingEnv:
             self.session.close()
         if not isinstance(task, Task):
             task = task_from_dict(task, self.task_dir, f"task {task.get('id', '?') if isinstance(task, dict) else ''}")
-        self.session, self.result = Session(task, self.config), None
+        self.session, self.result = self.new_session(task), None
         return self._prompt()
 
+    def new_session(self, task: Task) -> Session:
+        return Session(task, self.config)
+
     def _prompt(self) -> list[int]:
-        return render_chat(self.tokenizer, self.session.messages, tools=TOOL_SCHEMAS, add_generation_prompt=True).ids
+        return render_chat(self.tokenizer, self.session.messages, tools=self.tools, add_generation_prompt=True).ids
 
     def step(self, model_tokens: list[int]) -> StepResult:
         if self.session is None or self.session.done:

@@ -14,7 +14,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from megatron_ext.env.sandbox import Sandbox, SandboxError
 
@@ -88,10 +88,12 @@ def truncate(text: str, limit: int) -> str:
     return f"{text[:head]}\n[... {len(text) - head - tail} characters truncated ...]\n{text[-tail:]}"
 
 
-def validate(name: str, arguments) -> dict:
-    """The arguments as a dict, checked against the tool's schema; raises ToolError with a precise message."""
-    if name not in SCHEMAS:
-        raise ToolError(f"unknown tool {name!r}; tools: {', '.join(SCHEMAS)}")
+def validate(name: str, arguments, schemas: Optional[dict] = None) -> dict:
+    """The arguments as a dict, checked against the tool's schema (in `schemas`, default every coding tool's);
+    raises ToolError with a precise message."""
+    schemas = SCHEMAS if schemas is None else schemas
+    if name not in schemas:
+        raise ToolError(f"unknown tool {name!r}; tools: {', '.join(schemas)}")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -99,7 +101,7 @@ def validate(name: str, arguments) -> dict:
             raise ToolError(f"{name}: arguments are not valid JSON ({e})") from None
     if not isinstance(arguments, dict):
         raise ToolError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}")
-    schema = SCHEMAS[name]
+    schema = schemas[name]
     unknown = set(arguments) - set(schema["properties"])
     if unknown:
         raise ToolError(f"{name}: unknown arguments {sorted(unknown)}; allowed: {sorted(schema['properties'])}")
@@ -129,8 +131,10 @@ class Todo:
 
 @dataclass
 class Toolbox:
-    """The tools of one episode over one sandbox; keeps the todo list and the record of every call."""
+    """The tools of one episode over one sandbox; keeps the todo list and the record of every call. A subclass (or
+    an instance) that sets `schemas` offers other tools: each named tool NAME is the method `_NAME`."""
 
+    schemas: ClassVar[dict] = SCHEMAS
     sandbox: Sandbox
     limits: ToolLimits = field(default_factory=ToolLimits)
     calls: list = field(default_factory=list)
@@ -141,7 +145,7 @@ class Toolbox:
         """Run one call; never raises for anything the agent sent."""
         raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
         try:
-            parsed = validate(name, arguments)
+            parsed = validate(name, arguments, self.schemas)
             observation = getattr(self, "_" + name)(**parsed)
             record = ToolCall(call_id, name, raw, parsed, truncate(observation, self.limits.observation_chars))
         except (ToolError, SandboxError) as e:

@@ -26,7 +26,8 @@ On a GPU with flash-linear-attention (`fla-core`, extra ``[kda]``) installed the
 Tensor parallelism splits the heads: q/k/v, the forget gate's up projection, beta and the output gate's up
 projection are column parallel, the output projection row parallel; the low-rank down projections are replicated
 (as MLA's are). Packed sequences (THD): the convolution and the state restart at every document. Context
-parallelism is refused (the state would have to be passed from rank to rank).
+parallelism gathers the recurrence's inputs over the CP group and runs the whole sequence on every CP rank
+(correct, not yet cheaper: passing the state from rank to rank would be).
 """
 
 from __future__ import annotations
@@ -93,28 +94,71 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, scale: Optional[float] = Non
 
     q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
     G = g.cumsum(dim=-2)  # [b, n, m, C, dk]
-    # pairwise decays e^(G_t - G_i) for i <= t (exponent <= 0), zero above the diagonal
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~lower[..., None], -math.inf).exp()  # [.., t, i, dk]
-    kk = torch.einsum("bnmtc,bnmic,bnmtic->bnmti", k, k, diff)
-    qk = torch.einsum("bnmtc,bnmic,bnmtic->bnmti", q, k, diff)
+    kk = decayed_products(k, k, G)
+    qk = decayed_products(q, k, G)
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    A = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0) + torch.eye(C, device=q.device)
+    A = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
     rhs = torch.cat((beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * G.exp() * k), dim=-1)
-    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    UW = unit_lower_inverse(A) @ rhs
     U, W = UW[..., :dv], UW[..., dv:]
-    q_decay = G.exp() * q
     G_end = G[..., -1:, :]
-    k_to_end = (G_end - G).exp() * k
+    k_to_end = ((G_end - G).exp() * k).transpose(-1, -2)  # [b, n, m, dk, C]
+    end_decay = G_end.transpose(-1, -2).exp()  # [b, n, m, dk, 1]
+    reads = torch.cat((W, G.exp() * q), dim=-2)  # rows that read the incoming state: W then decayed q
     state = (torch.zeros(b, n, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float())
     out = []
     for c in range(G.size(2)):
-        delta = U[:, :, c] - W[:, :, c] @ state
-        out.append(q_decay[:, :, c] @ state + qk[:, :, c] @ delta)
-        state = G_end[:, :, c].transpose(-1, -2).exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ delta
+        read = reads[:, :, c] @ state  # [b, n, 2C, dv]
+        delta = U[:, :, c] - read[..., :C, :]
+        out.append(read[..., C:, :] + qk[:, :, c] @ delta)
+        state = end_decay[:, :, c] * state + k_to_end[:, :, c] @ delta
     o = torch.stack(out, dim=2).reshape(b, n, -1, dv)[:, :, :t].transpose(1, 2)
     return o.to(dtype), state
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [.., C, C]: A is nilpotent, so the inverse is the finite series
+    sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)..., log2(C) squarings of batched matmuls (a batched triangular solve
+    is an order of magnitude slower on a CPU)."""
+    power = -A
+    inverse = torch.eye(A.size(-1), dtype=A.dtype, device=A.device) + power
+    for _ in range(max(0, math.ceil(math.log2(A.size(-1))) - 1)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """P_ti = sum_c a_tc b_ic e^(G_tc - G_ic) for i <= t, zero above: [.., C, d] -> [.., C, C].
+
+    Computed in blocks of `block` positions so that every exponent is of a non-positive number without a
+    [C, C, d] tensor of pairwise decays: inside a diagonal block pairwise ([block, block, d]); for t in block x
+    after i in block y, with r the last position of block y, e^(G_t - G_i) = e^(G_t - G_r) e^(G_r - G_i), both
+    factors <= 1, and the block is one matmul."""
+    C, d = G.shape[-2:]
+    if C % block:
+        block = C
+    nb = C // block
+    shape = G.shape[:-2]
+    a, b, G = (x.reshape(*shape, nb, block, d) for x in (a, b, G))
+    within = torch.ones(block, block, dtype=torch.bool, device=G.device).tril()
+    pair = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~within[..., None], -math.inf).exp()
+    diag = torch.einsum("...tc,...ic,...tic->...ti", a, b, pair)  # [.., nb, block, block]
+    ref = G[..., -1, :]  # [.., nb(y), d]: the last position of each block
+    # e^(G_t - G_r(y)) = e^(G_t - G_r(x-1)) e^(G_r(x-1) - G_r(y)): a per-token factor and a per-block-pair one,
+    # both <= 1 for y < x (pairs x <= y are discarded; their exponents are clamped to stay finite)
+    prev = torch.cat((torch.zeros_like(ref[..., :1, :]), ref[..., :-1, :]), dim=-2)  # G_r(x-1); 0 before block 0
+    a_local = a * (G - prev.unsqueeze(-2)).clamp(max=0).exp()  # [.., nb(x), block, d]
+    pair_decay = (prev.unsqueeze(-2) - ref.unsqueeze(-3)).clamp(max=0).exp()  # [.., nb(x), nb(y), d]
+    a_scaled = a_local.unsqueeze(-3) * pair_decay.unsqueeze(-2)  # [.., nb(x), nb(y), block, d]
+    b_scaled = b * (ref.unsqueeze(-2) - G).exp()  # [.., nb(y), block, d]
+    off = a_scaled @ b_scaled.unsqueeze(-4).transpose(-1, -2)  # [.., x, y, block, block]
+    lower = torch.ones(nb, nb, dtype=torch.bool, device=G.device).tril(-1)
+    off = off * lower[..., None, None]
+    idx = torch.arange(nb, device=G.device)
+    off[..., idx, idx, :, :] = diag
+    return off.transpose(-3, -2).reshape(*shape, C, C)
 
 
 def _fla():
@@ -136,7 +180,7 @@ def delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens: Optional[torch.
     if kernels is not None:
         fn = kernels[1] if recurrent else kernels[0]
         return fn(q, k, v, g, beta, scale=k.size(-1) ** -0.5, initial_state=initial_state,
-                  output_final_state=True, cu_seqlens=cu_seqlens)
+                  output_final_state=True, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
     fn = recurrent_kda if recurrent else chunk_kda
     if cu_seqlens is None:
         return fn(q, k, v, g, beta, initial_state)
@@ -200,9 +244,6 @@ class KimiDeltaAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: KDASubmodules, layer_number: int,
                  shape: KDAShape, attn_mask_type=None, cp_comm_type=None, pg_collection=None, **unused):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("Kimi Delta Attention does not support --context-parallel-size > 1 (the recurrent "
-                             "state would have to pass between ranks); use CP 1 with --hybrid-layer-pattern")
         self.layer_number = layer_number
         self.shape = shape
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -220,11 +261,14 @@ class KimiDeltaAttention(MegatronModule):
                                 skip_bias_add=True, is_expert=False, tp_comm_buffer_name=name)
 
         self.q_proj, self.k_proj, self.v_proj = (column(n, h, width) for n in ("q_proj", "k_proj", "v_proj"))
+        # replicated on every TP rank; the TP group makes rank 0's copy the checkpoint's main replica
         self.f_a_proj = build_module(submodules.replicated_linear, h, d, config=config,
-                                     init_method=config.init_method, bias=False, skip_bias_add=True)
+                                     init_method=config.init_method, bias=False, skip_bias_add=True,
+                                     tp_group=self.tp_group)
         self.f_b_proj = column("f_b_proj", d, width)
         self.g_a_proj = build_module(submodules.replicated_linear, h, d, config=config,
-                                     init_method=config.init_method, bias=False, skip_bias_add=True)
+                                     init_method=config.init_method, bias=False, skip_bias_add=True,
+                                     tp_group=self.tp_group)
         self.g_b_proj = column("g_b_proj", d, width)
         self.b_proj = column("b_proj", h, shape.num_heads)
         self.o_proj = build_module(submodules.row_parallel_linear, width, h, config=config,
@@ -301,10 +345,20 @@ class KimiDeltaAttention(MegatronModule):
         f, _ = self.f_b_proj(self.f_a_proj(hidden_states)[0])
         gate, _ = self.g_b_proj(self.g_a_proj(hidden_states)[0])
         b_logits, _ = self.b_proj(hidden_states)
-        s, b = q.shape[:2]
+        s_local, b = q.shape[:2]
+        cp = self.config.context_parallel_size
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        bounds = context_parallel.document_bounds(s_local * cp, packed_seq_params)
+        if cp > 1:
+            # Context parallelism: the recurrence needs every earlier token. This rank's chunks of the inputs of
+            # the convolution and gates are all-gathered (backward: reduce-scatter), the whole sequence is run
+            # here (as on every CP rank) and this rank's positions kept.
+            width = [q.size(-1), k.size(-1), v.size(-1), f.size(-1), b_logits.size(-1)]
+            full = context_parallel.gather_sequence(torch.cat((q, k, v, f, b_logits), dim=-1), bounds)
+            q, k, v, f, b_logits = full.split(width, dim=-1)
+        s = q.size(0)
         cu, doc_ids = None, None
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            bounds = context_parallel.document_bounds(s, packed_seq_params)
+        if packed:
             cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
             doc_ids = torch.searchsorted(cu[1:].contiguous(), torch.arange(s, device=q.device), right=True)
         bt = lambda x: x.transpose(0, 1)  # noqa: E731  [s, b, ...] -> [b, s, ...]
@@ -315,7 +369,9 @@ class KimiDeltaAttention(MegatronModule):
         g, beta = self.gates(bt(f), bt(b_logits))
         q, k = l2norm(heads(q).float()), l2norm(heads(k).float())
         o, _ = delta_rule(q, k, heads(v).float(), g, beta, cu_seqlens=cu, use_fla=self.use_fla)
-        o = self.gated_norm(o.to(hidden_states.dtype), bt(gate).reshape(b, s, n, d))
+        if cp > 1:
+            o = o.index_select(1, context_parallel.local_index(bounds).to(o.device))
+        o = self.gated_norm(o.to(hidden_states.dtype), bt(gate).reshape(b, s_local, n, d))
         out, bias = self.o_proj(o.transpose(0, 1).contiguous())
         return out, bias
 

@@ -137,7 +137,11 @@ def init_replicated_linears_(model: torch.nn.Module, config: MLATransformerConfi
 
 def print_parameter_counts(args: argparse.Namespace, print_fn=print):
     """The two start-up lines, computed from the configuration (no allocation, works for the 1T model)."""
-    total, active = parameter_counts(args.arch.replace(vocab_size=args.padded_vocab_size))
+    arch = args.arch.replace(vocab_size=args.padded_vocab_size)
+    total, active = parameter_counts(arch)
     print_fn(f"total parameters: {total}")
     print_fn(f"active parameters per token: {active}")
+    # the input embedding is a table lookup, not compute; model cards often quote "active" without it (Kimi
+    # Linear's "A3B")
+    print_fn(f"active parameters per token without the input embedding: {active - arch.vocab_size * arch.hidden_size}")
     return total, active

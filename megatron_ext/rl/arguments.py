@@ -9,14 +9,15 @@ from megatron_ext.arguments import ArgumentError
 from megatron_ext.rl.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, LossConfig
 from megatron_ext.rl.rollout import Sampling
 
-RL_ENVS = ("digits", "coding")
+RL_ENVS = ("digits", "coding", "swarm")
 
 
 def add_rl_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("rl", "GRPO as in the Composer 2 recipe (rl_composer.py)")
     g.add_argument("--rl-env", default="digits", choices=RL_ENVS,
                    help="environment family: digits (tools/make_rl_prompts.py prompts) or coding (repository tasks "
-                        "of megatron_ext/env, tools/mine_tasks.py; needs --tokenizer-model, takes the --env-* flags)")
+                        "of megatron_ext/env, tools/mine_tasks.py; needs --tokenizer-model, takes the --env-* flags) or "
+                        "swarm (coding tasks for an orchestrator with sub-agents; also the --swarm-* flags)")
     g.add_argument("--rl-prompts", default=None, help="JSONL prompt file, one task with a unique 'id' per line "
                                                       "(tools/make_rl_prompts.py; coding: a task suite from "
                                                       "tools/mine_tasks.py); each id is trained on once")
@@ -89,13 +90,13 @@ def validate_rl_args(args: argparse.Namespace):
         fail("--rl-routing-replay needs an MoE model (--num-experts > 0)")
     if args.rl_eval_interval and not args.rl_eval_prompts:
         fail("--rl-eval-interval needs --rl-eval-prompts FILE")
-    if args.rl_env == "coding":
+    if args.rl_env in ("coding", "swarm"):
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup needs reference answers as tokens; the coding environment has none (its tasks carry "
                  "a reference diff, not a transcript): drop --rl-sft-warmup or use --rl-env digits")
         if args.rl_reward_weights:
-            fail("--rl-reward-weights names digit reward parts; for --rl-env coding use --env-reward-weights FILE "
-                 "or --env-reward-weight NAME=W")
+            fail(f"--rl-reward-weights names digit reward parts; for --rl-env {args.rl_env} use "
+                 "--env-reward-weights FILE or --env-reward-weight NAME=W")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
 

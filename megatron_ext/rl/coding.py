@@ -62,6 +62,8 @@ class CodingRLEnv:
 class CodingEnvFactory:
     """Makes a CodingRLEnv per episode; holds the tokenizer, the episode config and the reward weights file."""
 
+    system_prompt, tools = SYSTEM_PROMPT, TOOL_SCHEMAS  # what an episode's first prompt declares
+
     def __init__(self, args, tokenizer, log: Callable[[str], None] = print):
         self.tokenizer = tokenizer
         self.weight_file = WeightFile(args.env_reward_weights, log_fn=log)
@@ -80,25 +82,27 @@ class CodingEnvFactory:
 
     def prompt_length(self, task: dict) -> int:
         """Tokens of a task's first prompt (what CodingEnv.reset renders), without starting a sandbox."""
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["instruction"]}]
-        return len(render_chat(self.tokenizer, messages, tools=TOOL_SCHEMAS, add_generation_prompt=True).ids)
+        messages = [{"role": "system", "content": self.system_prompt},
+                    {"role": "user", "content": task["instruction"]}]
+        return len(render_chat(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True).ids)
 
     def __call__(self) -> CodingRLEnv:
         return CodingRLEnv(CodingEnv(self.tokenizer, self.config))
 
 
-def coding_data_provider(args, log: Optional[Callable[[str], None]] = None):
-    """Tasks (--rl-prompts, --rl-eval-prompts suites) and the environment factory of the coding family."""
+def coding_data_provider(args, log: Optional[Callable[[str], None]] = None, factory_class=CodingEnvFactory):
+    """Tasks (--rl-prompts, --rl-eval-prompts suites) and the environment factory of the coding family (or of a
+    family built on it: factory_class(args, tokenizer, log=...), e.g. the swarm's)."""
     from megatron_ext.data.tokenizers import build_tokenizer
 
     if not args.tokenizer_model:
-        raise ValueError("--rl-env coding needs --tokenizer-model PATH (a tokenizer with the chat template's special "
+        raise ValueError(f"--rl-env {args.rl_env} needs --tokenizer-model PATH (a tokenizer with the chat template's special "
                          "tokens, e.g. from tools/train_tokenizer.py)")
     tasks = read_coding_tasks(args.rl_prompts)
     eval_tasks = read_coding_tasks(args.rl_eval_prompts, "--rl-eval-prompts") if args.rl_eval_prompts else []
     rank0 = os.environ.get("RANK", "0") == "0"
     log = log or (print if rank0 else (lambda *a, **k: None))
-    factory = CodingEnvFactory(args, build_tokenizer(args.tokenizer_type, args.tokenizer_model), log=log)
+    factory = factory_class(args, build_tokenizer(args.tokenizer_type, args.tokenizer_model), log=log)
     longest = max(tasks + eval_tasks, key=factory.prompt_length)
     need = factory.prompt_length(longest) + args.grpo_max_response_length
     if need > args.seq_length:

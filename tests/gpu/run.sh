@@ -77,6 +77,14 @@ else
     record "SKIP transformer engine: SKIP_TE_INSTALL=1"
 fi
 
+# flash-linear-attention's KDA kernels (extra [kda]); tests/gpu/test_kda_fla.py skips without them
+if "$PY" -m pip install -q ${PIP_OFFLINE[@]+"${PIP_OFFLINE[@]}"} "fla-core==0.6.0" >"$LOG_DIR/fla-install.log" 2>&1 \
+        && "$PY" -c "import fla.ops.kda" >/dev/null 2>&1; then
+    record "PASS fla-core installed (KDA kernels)"
+else
+    record "SKIP fla-core: install failed (see $LOG_DIR/fla-install.log); the KDA kernel checks skip"
+fi
+
 # ---- checks ---------------------------------------------------------------------------------------------------
 run_step() {  # name, timeout, pytest arguments...
     local name=$1 limit=$2

@@ -37,18 +37,25 @@ def make_hf_model(shape: str, seed: int = 0, **overrides):
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_config(shape, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.0)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0, 0.05)
-        for module in model.modules():
-            if getattr(module, "e_score_correction_bias", None) is not None:
-                module.e_score_correction_bias.normal_(0, 0.1)
+    return randomize_(DeepseekV3ForCausalLM(hf_config(shape, **overrides)).eval())
+
+
+@torch.no_grad()
+def randomize_(model, special=None):
+    """Random weights with a decisive router (no near-tied top-k choices to flip on rounding) and norms near one;
+    `special(name, p)` may fill a parameter itself (returning True)."""
+    for name, p in model.named_parameters():
+        if special is not None and special(name, p):
+            continue
+        if name.endswith("gate.weight"):
+            p.normal_(0, 1.0)
+        elif "norm" in name:
+            p.normal_(1.0, 0.1)
+        else:
+            p.normal_(0, 0.05)
+    for module in model.modules():
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            module.e_score_correction_bias.normal_(0, 0.1)
     return model
 
 

@@ -5,15 +5,12 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from megatron_ext.arguments import parse_args
 from megatron_ext.convert.hf import preset_from_config, read_config
 from megatron_ext.convert.streaming import export_hf, import_hf
-from megatron_ext.training.checkpointing import load_checkpoint
-from megatron_ext.training.initialize import destroy, initialize_distributed
-from megatron_ext.training.step import build_model
-from tests.parity.hf_fixtures import all_tensors
+from megatron_ext.training.initialize import destroy
+from tests.parity.hf_fixtures import all_tensors, randomize_
+from tests.parity.test_hf_conversion import _megatron_logits
 
 pytest.importorskip("transformers.models.kimi_linear")
 
@@ -33,40 +30,20 @@ def make_kimi_linear(seed: int = 0):
                             "full_attn_layers": [3, 5]},
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0, 1.0)  # a decisive router: no near-tied top-k choices to flip on rounding
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("A_log"):
-                p.uniform_(0.0, 2.0)
-            elif name.endswith("dt_bias"):
-                p.normal_(0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0, 0.3)
-            else:
-                p.normal_(0, 0.05)
-        for module in model.modules():
-            if getattr(module, "e_score_correction_bias", None) is not None:
-                module.e_score_correction_bias.normal_(0, 0.1)
-    return model
+    return randomize_(KimiLinearForCausalLM(cfg).eval(), special=_kda_weights)
 
 
-def _megatron_logits(hf_dir, save, tokens, extra=()):
-    arch = preset_from_config(read_config(hf_dir)[1])
-    args = parse_args(["--model", "tiny", "--mock-data", "--load", save, *extra], world_size=1, base_arch=arch)
-    initialize_distributed(args)
-    try:
-        model = build_model(args, wrap_ddp=False)
-        load_checkpoint(args, model, None, None, log=lambda *a, **k: None)
-        model[0].eval()
-        with torch.no_grad():
-            pos = torch.arange(tokens.size(1)).unsqueeze(0).expand(tokens.size(0), -1)
-            return model[0](tokens, pos, None)[..., :VOCAB]
-    finally:
-        destroy()
+def _kda_weights(name, p):
+    """KDA's gate parameters in ranges where decays and convolutions matter (default init: near identity)."""
+    if name.endswith("A_log"):
+        p.uniform_(0.0, 2.0)
+    elif name.endswith("dt_bias"):
+        p.normal_(0, 1.0)
+    elif "conv1d" in name:
+        p.normal_(0, 0.3)
+    else:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +71,7 @@ def test_logits_match_transformers(converted):
     tokens = torch.randint(0, VOCAB, (2, 150), generator=torch.Generator().manual_seed(3))  # > 2 KDA chunks
     with torch.no_grad():
         ref = model(tokens).logits
-    ours = _megatron_logits(hf_dir, save, tokens)
+    ours = _megatron_logits(hf_dir, save, tokens)[..., :VOCAB]
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 

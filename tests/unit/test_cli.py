@@ -21,7 +21,8 @@ def test_help_shows_each_default_once_and_only_real_ones(help_text):
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
     flat = " ".join(help_text.split())  # argparse wraps help text
     assert flat.count("(default:") == len(re.findall(r"\(default: [^)(]*\)", flat))  # none doubled or nested
-    assert flat.count("(default: from --model)") == len(_ARCH_FLAGS) + 1  # + --untie-embeddings-and-output-weights
+    # + --untie-embeddings-and-output-weights, --mla-nope
+    assert flat.count("(default: from --model)") == len(_ARCH_FLAGS) + 2
     assert "(default: from --model) (default" not in flat
     assert "--seed SEED random seed (default: 1234)" in flat
     assert "--lr-decay-style" in flat and re.search(r"--clip-grad CLIP_GRAD .*\(default: 1\.0\)", flat)
@@ -43,7 +44,8 @@ def test_dry_run_prints_the_resolved_configuration(capsys):
     assert re.search(r"\n  tensor_model_parallel_size \.+ 1\n", arguments)
     assert re.search(r"\n  num_layers \.+ 3\n", architecture) and re.search(r"\n  seq_length \.+ 96\n", architecture)
     assert re.search(r"\n  kv_lora_rank \.+ \d+\n", architecture)  # from the preset, not given as a flag
-    assert re.search(r"\ntotal parameters: \d+\nactive parameters per token: \d+\n$", out)
+    assert re.search(r"\ntotal parameters: \d+\nactive parameters per token: \d+\n"
+                     r"active parameters per token without the input embedding: \d+\n$", out)
 
 
 def test_flag_file_dry_run_names_world_size(monkeypatch, capsys):

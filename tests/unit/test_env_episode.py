@@ -149,24 +149,11 @@ def test_endpoint_agent_against_our_server(tmp_path):
     """An episode whose agent is tools/serve.py's HTTP service (a random tiny model: it answers without tool
     calls, so the episode ends after one turn and scores 0); the oracle's multi-turn transcript, tool calls and
     tool results included, renders through the same server."""
-    from megatron_ext.arguments import parse_args
-    from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.env.agents import EndpointAgent
     from megatron_ext.env.tools import TOOL_SCHEMAS
-    from megatron_ext.inference.engine import InferenceEngine
-    from megatron_ext.inference.server import ModelService, serve
-    from megatron_ext.training.initialize import destroy, initialize_distributed
-    from megatron_ext.training.step import build_model
-    from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+    from tests.unit.inference_fixtures import served_chat_model
 
-    tokenizer = build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
-    args = parse_args(["--model", "tiny", "--mock-data", "--vocab-size", str(tokenizer.vocab_size),
-                       "--seq-length", "8192", "--max-position-embeddings", "8192"], world_size=1)
-    initialize_distributed(args)
-    try:
-        model = build_model(args, wrap_ddp=False)
-        httpd = serve(ModelService(InferenceEngine(model[0]), "tiny", tokenizer=tokenizer), "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    with served_chat_model(str(tmp_path)) as (url, _, _):
         task = load_task(make_task(str(tmp_path / "t")))
         config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
         r = run_episode(task, EndpointAgent(url, max_tokens=8), config)
@@ -176,9 +163,6 @@ def test_endpoint_agent_against_our_server(tmp_path):
         oracle = run_episode(task, ScriptAgent(ORACLE), config)
         reply = EndpointAgent(url, max_tokens=4).act(oracle.messages, TOOL_SCHEMAS)
         assert reply["role"] == "assistant" and isinstance(reply["content"], str)
-        httpd.shutdown()
-    finally:
-        destroy()
 
 
 def test_self_summarisation_restarts_from_the_summary_and_task_state(tmp_path):

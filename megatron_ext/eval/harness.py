@@ -1,0 +1,217 @@
+"""Run an agent over a task suite, K passes each, N episodes at a time, resumably.
+
+    tasks x passes --(skip those with a result file)--> thread pool (N) --> run_episode (the environment's episode
+    code: sandbox, tools, grading in a fresh sandbox, reward parts) --> usage (tokens by category) -->
+    RUN/episodes/<task>/pass-<k>.json, written atomically as each episode finishes --> progress line
+
+A run directory holds `run.json` (the suite, the agent and the task ids it was started with) and one file per
+finished episode. Resuming (the same command again, also after kill -9) runs only the episodes without a file;
+more --passes adds passes. An episode that could not run at all (a sandbox that failed to start, an agent server
+that could not be reached) writes nothing and is retried on the next resume. Episodes share nothing but the agent factory, so threads suffice: the work
+happens in sandboxed subprocesses and in the model server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable, Optional
+
+from megatron_ext.atomic import atomic_output
+from megatron_ext.env.episode import EpisodeConfig, approx_tokens, run_episode
+from megatron_ext.env.tasks import Task
+from megatron_ext.env.tools import TOOL_SCHEMAS
+from megatron_ext.eval.agents import AgentFactory
+from megatron_ext.eval.usage import episode_usage
+
+MANIFEST = "run.json"
+EPISODES = "episodes"
+
+
+class RunError(RuntimeError):
+    """A run directory that cannot be used for this run; the message says why and what to do."""
+
+
+def episode_dir(task_id: str) -> str:
+    """A file-system-safe folder name for a task id (readable prefix + hash, so distinct ids never collide)."""
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in task_id)[:80].lstrip(".") or "task"
+    return f"{slug}-{hashlib.sha1(task_id.encode()).hexdigest()[:8]}"
+
+
+class RunDir:
+    """RUN/run.json and RUN/episodes/<task>/pass-<k>.json."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def manifest_path(self) -> str:
+        return os.path.join(self.root, MANIFEST)
+
+    def episode_path(self, task_id: str, index: int) -> str:
+        return os.path.join(self.root, EPISODES, episode_dir(task_id), f"pass-{index}.json")
+
+    def manifest(self) -> Optional[dict]:
+        try:
+            with open(self.manifest_path()) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            raise RunError(f"{self.manifest_path()}: unreadable ({e}); remove the run directory to start again")
+
+    def start(self, manifest: dict):
+        """Write the manifest of a new run, or check that an existing run is the same run (agent and tasks)."""
+        old = self.manifest()
+        if old is None:
+            if os.path.isdir(self.root) and os.listdir(self.root):
+                raise RunError(f"--out {self.root} exists and is not an evaluation run (no {MANIFEST}); "
+                               "choose an empty or new directory")
+            with atomic_output(self.manifest_path()) as f:
+                json.dump(manifest, f, indent=1)
+            return
+        for key in ("agent", "model", "task_ids"):
+            if old.get(key) != manifest.get(key):
+                raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
+                               "resume it with the same --tasks/--agent/--model, or choose another --out")
+        if manifest["passes"] > old.get("passes", 0):
+            with atomic_output(self.manifest_path()) as f:
+                json.dump({**old, "passes": manifest["passes"]}, f, indent=1)
+        self.remove_partial_writes()
+
+    def remove_partial_writes(self):
+        """Temporary files a killed run left behind (atomic_output's .NAME.*.tmp)."""
+        for base, _, files in os.walk(os.path.join(self.root, EPISODES)):
+            for name in files:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    os.remove(os.path.join(base, name))
+
+    def load(self, task_id: str, index: int) -> Optional[dict]:
+        path = self.episode_path(task_id, index)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    def write(self, record: dict):
+        with atomic_output(self.episode_path(record["task"], record["pass"])) as f:
+            json.dump(record, f, ensure_ascii=False)
+
+    def records(self, tasks: list[Task], passes: int) -> list[dict]:
+        """Every finished episode of the run, in suite order then pass order."""
+        return [r for t in tasks for k in range(passes) if (r := self.load(t.id, k)) is not None]
+
+
+def task_config(config: EpisodeConfig, task: Task) -> EpisodeConfig:
+    """The episode config for one task: commands time out at the task's command_timeout_s (a copy per task, so
+    concurrent episodes never share a mutated config)."""
+    limits = dataclasses.replace(config.sandbox.limits, wall_s=task.command_timeout_s)
+    return dataclasses.replace(config, sandbox=dataclasses.replace(config.sandbox, limits=limits))
+
+
+class Unreachable(RuntimeError):
+    """The agent's server could not be reached: the episode says nothing about the agent, so it is not stored."""
+
+
+class _Watched:
+    """An agent whose failures to reach its server (no HTTP response: refused, reset, timed out) are remembered.
+    EndpointAgent re-raises them as AgentError; the original stays the exception's __context__."""
+
+    def __init__(self, agent):
+        self.agent, self.unreachable = agent, None
+
+    def act(self, messages, tools):
+        try:
+            return self.agent.act(messages, tools)
+        except Exception as e:
+            cause = e.__cause__ or e.__context__ or e
+            if isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError):
+                self.unreachable = e
+            raise
+
+
+def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig) -> dict:
+    """One episode as the record the run stores: the episode's JSON plus pass index and token usage."""
+    agent = factory(task, index)
+    watched = _Watched(agent)
+    try:
+        result = run_episode(task, watched, task_config(config, task))
+    finally:
+        agent.close()
+    if watched.unreachable is not None:
+        raise Unreachable(str(watched.unreachable))
+    record = {"pass": index, **result.to_json()}
+    record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
+    record["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return record
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int, concurrency: int = 1,
+              config: Optional[EpisodeConfig] = None, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Run every (task, pass) without a result in `run`; returns {"ran", "skipped", "failed": [(task, pass, error)]}."""
+    config = config or EpisodeConfig()
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    todo, correct_so_far, done_so_far = [], 0, 0
+    for task in tasks:
+        for k in range(passes):
+            record = run.load(task.id, k)
+            if record is None:
+                todo.append((task, k))
+            else:
+                done_so_far += 1
+                correct_so_far += record["reward"].get("correctness", 0.0) == 1.0
+    total, skipped = len(tasks) * passes, done_so_far
+    if skipped:
+        log(f"resuming {run.root}: {skipped} of {total} episodes already finished, {len(todo)} to run")
+    lock, start, failed, ran = threading.Lock(), time.monotonic(), [], 0
+    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="episode") as pool:
+        futures = {pool.submit(run_one, task, k, factory, config): (task, k) for task, k in todo}
+        try:
+            for future in as_completed(futures):
+                task, k = futures[future]
+                try:
+                    record = future.result()
+                except Exception as e:  # the episode could not run (sandbox, grading): retried on resume
+                    failed.append((task.id, k, f"{type(e).__name__}: {e}"))
+                    log(f"[{done_so_far}/{total}] {task.id} pass {k}: could not run ({type(e).__name__}: {e}); "
+                        "it is retried when the run is resumed")
+                    continue
+                run.write(record)
+                with lock:
+                    ran += 1
+                    done_so_far += 1
+                    correct = record["reward"].get("correctness", 0.0) == 1.0
+                    correct_so_far += correct
+                    per_episode = (time.monotonic() - start) / ran  # wall clock, episodes overlapping
+                    remaining = len(todo) - ran - len(failed)
+                    log(f"[{done_so_far}/{total}] {task.id} pass {k}: {record['status']}, "
+                        f"{'correct' if correct else 'wrong'}, reward {record['reward'].get('total', 0.0):.3f}, "
+                        f"{record['wall_s']:.1f} s | accuracy so far {correct_so_far / done_so_far:.3f} | "
+                        f"eta {_eta(per_episode * remaining)}")
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return {"ran": ran, "skipped": skipped, "failed": failed}
+
+
+def token_counter(tokenizer_model: Optional[str], tokenizer_type: Optional[str] = None):
+    """(count function, description): a tokenizer's exact counts, or the 4-bytes-a-token estimate."""
+    if not tokenizer_model:
+        return approx_tokens, "estimate: 4 bytes a token"
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+    return (lambda text: len(tokenizer.tokenize(text)) if text else 0), f"tokenizer {tokenizer_model}"

@@ -1,0 +1,98 @@
+"""The report's figures as PNG bytes (matplotlib, Agg backend; nothing is shown on screen)."""
+
+from __future__ import annotations
+
+import io
+from typing import Optional, Sequence
+
+import numpy as np
+
+MAX_ROWS = 80  # tasks drawn in a per-task figure; beyond that the lowest-accuracy ones are shown
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buffer.getvalue()
+
+
+def accuracy_intervals(labels: Sequence[str], values: Sequence[float], intervals: Sequence[Sequence[float]],
+                       title: str, highlight: Sequence[bool] = ()) -> bytes:
+    """One row per label: the accuracy and its interval; highlighted rows (the overall) drawn in another colour."""
+    plt = _pyplot()
+    rows = len(labels)
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.28 * rows))
+    y = np.arange(rows)[::-1]
+    low = np.array([v - i[0] for v, i in zip(values, intervals)])
+    high = np.array([i[1] - v for v, i in zip(values, intervals)])
+    colours = ["#c0392b" if (highlight[i] if i < len(highlight) else False) else "#2c7fb8" for i in range(rows)]
+    for i in range(rows):
+        ax.errorbar(values[i], y[i], xerr=[[low[i]], [high[i]]], fmt="o", color=colours[i], capsize=3)
+    ax.set_yticks(y, [str(label)[:48] for label in labels])
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_xlabel("accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
+    """Indices of the points no other point beats on both axes (lower x, higher y), by increasing x."""
+    order = sorted(range(len(xs)), key=lambda i: (xs[i], -ys[i]))
+    frontier, best = [], -np.inf
+    for i in order:
+        if ys[i] > best:
+            frontier.append(i)
+            best = ys[i]
+    return frontier
+
+
+def pareto(labels: Sequence[str], xs: Sequence[float], ys: Sequence[float], xlabel: str, title: str,
+           intervals: Optional[Sequence[Sequence[float]]] = None, highlight: Sequence[bool] = ()) -> bytes:
+    """Accuracy against a cost axis, the Pareto frontier drawn through the points not dominated."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        special = highlight[i] if i < len(highlight) else False
+        yerr = None if intervals is None else [[y - intervals[i][0]], [intervals[i][1] - y]]
+        ax.errorbar(x, y, yerr=yerr, fmt="*" if special else "o", markersize=12 if special else 6,
+                    color="#c0392b" if special else "#2c7fb8", capsize=3, alpha=0.9, zorder=3 if special else 2)
+        if len(xs) <= 20:
+            ax.annotate(str(labels[i])[:30], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    frontier = pareto_frontier(xs, ys)
+    ax.plot([xs[i] for i in frontier], [ys[i] for i in frontier], "--", color="#555555", label="Pareto frontier")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 50:
+        ax.set_xscale("log")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def heatmap(rows: Sequence[str], columns: Sequence[str], values: np.ndarray, title: str,
+            colorbar_label: str = "1 correct, 0 wrong; grey: not run") -> bytes:
+    """rows x columns of values in [0, 1] (NaN for missing), e.g. task x pass correctness."""
+    plt = _pyplot()
+    values = np.asarray(values, dtype=np.float64)
+    fig, ax = plt.subplots(figsize=(2.5 + 0.45 * len(columns), 1.2 + 0.26 * len(rows)))
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#eeeeee")
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0, vmax=1, aspect="auto",
+                      interpolation="nearest")
+    ax.set_xticks(range(len(columns)), columns, fontsize=8)
+    ax.set_yticks(range(len(rows)), [str(r)[:48] for r in rows], fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02, label=colorbar_label)
+    return _png(fig)
