@@ -156,13 +156,17 @@ def main() -> int:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     for arm, rs in runs.items():
-        for i, r in enumerate(rs):
+        for r in rs:  # each seed thin, the mean over seeds bold
             curve = r["validation_curve"]
-            ax.plot([it * tokens_per_step for it, _ in curve], [v for _, v in curve], "o-", ms=3,
-                    color=COLOURS[arm], alpha=0.9 if i == 0 else 0.5, label=arm if i == 0 else None)
+            ax.plot([it * tokens_per_step for it, _ in curve], [v for _, v in curve], "-", lw=0.8,
+                    color=COLOURS[arm], alpha=0.35)
+        steps = sorted(set.intersection(*(set(it for it, _ in r["validation_curve"]) for r in rs)))
+        mean = [sum(dict(r["validation_curve"])[it] for r in rs) / len(rs) for it in steps]
+        ax.plot([it * tokens_per_step for it in steps], mean, "o-", ms=3, lw=2, color=COLOURS[arm], label=arm)
     ax.set_xscale("log")
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation-split loss (nats/token)")
+    ax.set_title("validation during training (thin: seeds, bold: mean)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     names = list(summary)
@@ -172,10 +176,11 @@ def main() -> int:
     lo, hi = min(means), max(means)
     bx.set_ylim(lo - max(0.05, 2 * (hi - lo)), hi + max(0.02, 0.5 * (hi - lo)))
     for i, n in enumerate(names):
-        bx.text(i, means[i], f"{means[i]:.3f}\n{summary[n]['parameters'] / 1e3:.1f}K params", ha="center",
-                va="bottom", fontsize=8)
+        bx.text(i, lo - max(0.05, 2 * (hi - lo)) + 0.01, f"{means[i]:.3f}\n{summary[n]['parameters'] / 1e3:.1f}K",
+                ha="center", va="bottom", fontsize=8, color="white")
     spread = ", mean ± std over seeds" if len(a.seeds) > 1 else ""
-    bx.set_ylabel(f"held-out loss after training (nats/token){spread}")
+    bx.set_title(f"held-out loss after training{spread}", fontsize=9)
+    bx.set_ylabel("nats/token")
     bx.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"Same budget on the Python standard library: {a.iters} steps x {tokens_per_step} tokens, "
                  f"seeds {a.seeds}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""), fontsize=10)
