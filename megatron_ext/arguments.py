@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Optional
 
 from megatron_ext import gpu, platform
 from megatron_ext.training import stages
+from megatron_ext.models import attn_residuals
 from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset, parse_layer_pattern
 
 
@@ -66,6 +67,12 @@ _ARCH_FLAGS = {
     "--kda-num-heads": ("kda_num_heads", int, "Kimi Delta Attention heads"),
     "--kda-head-dim": ("kda_head_dim", int, "Kimi Delta Attention head dim (keys and values)"),
     "--kda-conv-kernel-size": ("kda_conv_kernel", int, "width of KDA's short causal convolutions"),
+    "--attention-residuals": ("attention_residuals", str,
+                              "Attention Residuals: each layer's input is a learned softmax mixture of the embedding "
+                              "and earlier layer outputs (full) or block sums (block); none: plain residuals"),
+    "--attn-res-block-size": ("attn_res_block_size", int,
+                              "--attention-residuals block: sublayers per block, attention and MLP counting one "
+                              "each (0: about 8 blocks)"),
 }
 
 
@@ -255,6 +262,8 @@ def resolve_preset(args: argparse.Namespace, base: Optional[ModelPreset] = None)
     for field in ("q_lora_rank", "num_experts", "moe_shared_expert_intermediate_size"):
         if changes.get(field) == 0:
             changes[field] = None
+    if changes.get("attention_residuals") == "none":
+        changes["attention_residuals"] = None
     return preset.replace(**changes)
 
 
@@ -456,6 +465,7 @@ def validate_args(args: argparse.Namespace):
         _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
               "--transformer-impl local")
     gpu.validate_gpu_args(args, _fail)
+    attn_residuals.validate_args(args, _fail)
     if arch.seq_length > arch.max_position_embeddings:
         _fail(f"--seq-length {arch.seq_length} exceeds --max-position-embeddings {arch.max_position_embeddings}")
     _validate_hybrid(args)

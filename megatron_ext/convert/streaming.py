@@ -313,6 +313,10 @@ def export_hf(load: str, hf_dir: str, mtp: bool = False, dtype: str | None = Non
     checkpointing.verify_checkpoint(ckpt_dir, checksums=checksums)
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     arch = ModelPreset(**common["args"]["arch"])
+    if arch.attention_residuals:
+        raise ConversionError(f"{ckpt_dir} uses --attention-residuals {arch.attention_residuals}, which no Hugging "
+                              "Face model type implements (its pseudo-queries would have nowhere to go): serve it with "
+                              "megatron_ext's inference engine instead of exporting it")
     if mtp and not arch.mtp_num_layers:
         raise ConversionError(f"--mtp: {ckpt_dir} has no MTP layers")
     layout = HFLayout("model.", "lm_head.weight", arch.num_layers, kimi_linear=kimi_linear.is_kimi_linear(arch))

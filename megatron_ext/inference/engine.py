@@ -31,6 +31,9 @@ finish leave the decode batch; the n samples of a prompt share one prefill (`gen
 every token can be returned in the layout Megatron-Core's RouterReplay consumes; `update_weights` copies the
 trainer's parameters in place and bumps `weights_version`, which tags every generated token.
 
+Attention Residuals (models/attn_residuals.py) change only what each sublayer reads: the depth mixture of the
+new tokens' own embedding and sublayer outputs, which a step builds and drops (the KV cache is unchanged).
+
 Both of Megatron-Core's layer specs are served. Under the Transformer Engine spec the MLA q / kv latent norms and
 a dense layer's pre-MLP norm are identity modules: their weights live in the following linear as
 ``layer_norm_weight`` (TE's fused norm + linear), and the engine applies them there (`_fused_norm`). Routed
@@ -52,6 +55,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron_ext import platform
+from megatron_ext.models import attn_residuals
 from megatron_ext.models.kda import KimiDeltaAttention
 from megatron_ext.models.norm import RMSNorm
 
@@ -572,16 +576,24 @@ class InferenceEngine:
         x = F.embedding(local.masked_fill(outside, 0), emb.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
         return _all_reduce(x, self.groups.tp)
 
+    def _sublayers(self, layer, step: _Step, cache_kv: torch.Tensor, routing, state=None):
+        """A layer's attention and MLP (each with its pre-norm) as functions of their input; `state`: a Kimi Delta
+        Attention layer's recurrent state, advanced over the new tokens."""
+        def attention(x):
+            h = _norm(layer.input_layernorm, x)
+            if state is not None:
+                out = layer.self_attention.step(h, state, step.valid)
+            else:
+                out = self._attention(layer.self_attention, h, step, cache_kv)
+            return _all_reduce(out, self.groups.tp)
+
+        return attention, lambda x: self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, x), routing)
+
     def _layer(self, layer, x: torch.Tensor, step: _Step, cache_kv: torch.Tensor, routing,
                state=None) -> torch.Tensor:
-        attn = layer.self_attention
-        h = _norm(layer.input_layernorm, x)
-        if state is not None:  # Kimi Delta Attention: advance the layer's state over the new tokens
-            out = attn.step(h, state, step.valid)
-        else:
-            out = self._attention(attn, h, step, cache_kv)
-        x = x + _all_reduce(out, self.groups.tp)
-        return x + self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, x), routing)
+        attention, mlp = self._sublayers(layer, step, cache_kv, routing, state)
+        x = x + attention(x)
+        return x + mlp(x)
 
     @torch.inference_mode()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
@@ -593,8 +605,13 @@ class InferenceEngine:
         with platform.without_device_mapping():
             step = self._step(positions, lengths, cache, valid)
             x = self._embed(tokens)
-            for i, layer in enumerate(self.layers):
-                x = self._layer(layer, x, step, cache.kv[i], routing, cache.states[i])
+            if attn_residuals.is_installed(self.model.decoder):  # depth mixtures of these tokens' own outputs
+                x = attn_residuals.run_layers(self.model.decoder, x, [
+                    self._sublayers(layer, step, cache.kv[i], routing, cache.states[i])
+                    for i, layer in enumerate(self.layers)])
+            else:
+                for i, layer in enumerate(self.layers):
+                    x = self._layer(layer, x, step, cache.kv[i], routing, cache.states[i])
             return _norm(self.model.decoder.final_layernorm, x)
 
     @torch.inference_mode()

@@ -59,6 +59,9 @@ class ModelPreset:
     kda_head_dim: int = 0
     kda_conv_kernel: int = 4
     mla_nope: bool = False  # MLA layers without positional encoding
+    # Attention Residuals (models/attn_residuals.py): None, "full" or "block"; block size in sublayers (0: ~8 blocks)
+    attention_residuals: Optional[str] = None
+    attn_res_block_size: int = 0
 
     def replace(self, **changes) -> "ModelPreset":
         return dataclasses.replace(self, **changes)
@@ -263,6 +266,9 @@ def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int
     final_norm = h
     total += embeddings + final_norm
     active += embeddings + final_norm
+    if p.attention_residuals:  # a pseudo-query per attention, per MLP and for the final norm
+        total += (2 * p.num_layers + 1) * h
+        active += (2 * p.num_layers + 1) * h
     if include_mtp and p.mtp_num_layers:
         last_is_moe = p.moe_layer_pattern[-1]
         layer = _layer_attention_params(p, p.num_layers - 1) + h + (_moe_params(p, p.num_experts) if last_is_moe

@@ -13,6 +13,7 @@ from megatron_ext.models.gpt import ComposerGPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ext import gpu, platform
+from megatron_ext.models import attn_residuals
 from megatron_ext.models.kda import HybridSpec
 from megatron_ext.models.presets import ModelPreset, parameter_counts
 from megatron_ext.models.specs import ReplicatedLinear, decoder_block_spec, mtp_block_spec
@@ -96,9 +97,12 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
     """The model piece this rank holds: its pipeline stage, its tensor and expert shards."""
     config = config or transformer_config(args)
     hybrid = HybridSpec.from_arch(args.arch)  # Kimi Linear: KDA / position-free MLA layers
+    layer_spec = decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage, hybrid=hybrid)
+    if args.arch.attention_residuals:
+        layer_spec = attn_residuals.layer_specs(layer_spec)  # sublayers return their own outputs
     model = ComposerGPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, args.transformer_impl, vp_stage=vp_stage, hybrid=hybrid),
+        transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.arch.max_position_embeddings,
         pre_process=pre_process,
@@ -112,6 +116,8 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
         mtp_distill_temperature=getattr(args, "mtp_distill_temperature", 1.0),
         mtp_detach_trunk=getattr(args, "mtp_detach_trunk", False),
     )
+    if args.arch.attention_residuals:
+        attn_residuals.install(model.decoder, args.arch.attention_residuals, args.arch.attn_res_block_size)
     init_replicated_linears_(model, config)
     return model
 

@@ -403,7 +403,8 @@ def _mtp_attach(args, common: dict, ckpt: str, log) -> bool:
 _WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
                   "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
                   "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "first_k_dense",
-                  "moe_router_enable_expert_bias", "untie_embeddings_and_output_weights")
+                  "moe_router_enable_expert_bias", "untie_embeddings_and_output_weights",
+                  "attention_residuals", "attn_res_block_size")
 
 
 def _check_architecture(args, common: dict, ckpt: str):
