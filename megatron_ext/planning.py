@@ -85,18 +85,18 @@ class ModelShape:
 
     def attention_params(self) -> int:
         """MLA with its latent norms, plus the layer's input and pre-MLP norms (presets.py counts the same)."""
-        return presets._attention_params(self.p) + self.p.hidden_size
+        return presets.attention_params(self.p) + self.p.hidden_size
 
     def routed_params(self) -> int:
         """All routed experts of one MoE layer."""
-        return presets._moe_params(self.p, self.p.num_experts) - self.moe_other_params() if self.p.num_experts else 0
+        return presets.moe_params(self.p, self.p.num_experts) - self.moe_other_params() if self.p.num_experts else 0
 
     def moe_other_params(self) -> int:
         """Router and shared expert of one MoE layer."""
-        return presets._moe_params(self.p, 0) if self.p.num_experts else 0
+        return presets.moe_params(self.p, 0) if self.p.num_experts else 0
 
     def dense_mlp_params(self) -> int:
-        return presets._mlp_params(self.p.hidden_size, self.p.ffn_hidden_size)
+        return presets.mlp_params(self.p.hidden_size, self.p.ffn_hidden_size)
 
     def embedding_params(self) -> int:
         return self.p.vocab_size * self.p.hidden_size

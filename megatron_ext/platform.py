@@ -109,7 +109,7 @@ def is_bridged() -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _is_cuda_device(dev) -> bool:
+def is_cuda_device(dev) -> bool:
     if isinstance(dev, torch.device):
         return dev.type == "cuda"
     if isinstance(dev, str):
@@ -127,17 +127,17 @@ class _CudaToCpuMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         dev = kwargs.get("device")
-        if dev is not None and _is_cuda_device(dev):
+        if dev is not None and is_cuda_device(dev):
             kwargs = dict(kwargs, device=_CPU)
         if kwargs.get("pin_memory"):
             kwargs = dict(kwargs, pin_memory=False)  # pinned memory only speeds host-to-GPU copies
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if func is torch.device and args and _is_cuda_device(args[0]):
+        if func is torch.device and args and is_cuda_device(args[0]):
             return _CPU
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Megatron's optimizers accept only 'torch.cuda.*Tensor' parameters; CPU stands in for CUDA.

@@ -76,11 +76,11 @@ class _MetaIsTheGpu(torch.overrides.TorchFunctionMode):
 
         kwargs = kwargs or {}
         meta = torch.device("meta")
-        if kwargs.get("device") is not None and platform._is_cuda_device(kwargs["device"]):
+        if kwargs.get("device") is not None and platform.is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device=meta)
         if func is torch.Tensor.cuda:
             return args[0].to(meta)
-        if func is torch.Tensor.to and len(args) > 1 and platform._is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and platform.is_cuda_device(args[1]):
             args = (args[0], meta) + tuple(args[2:])
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         kinds = {t.device.type for t in tensors if t.dim() > 0}

@@ -18,15 +18,12 @@ import torch
 from safetensors import safe_open
 
 from megatron_ext.convert import kimi_linear
+from megatron_ext.convert.common import ConversionError, backbone_fields
 from megatron_ext.models.presets import ModelPreset
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 MODEL_TYPES = TEXT_MODEL_TYPES + ("kimi_k25", "kimi_linear")
 FP8_BLOCK = 128
-
-
-class ConversionError(ValueError):
-    """Bad conversion input; the message names the tensor and/or file."""
 
 
 def read_json(path: str):
@@ -60,15 +57,6 @@ def _rope(text: dict) -> dict:
     rope.setdefault("rope_theta", text.get("rope_theta", 10000.0))
     rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
     return rope
-
-
-def backbone_fields(text: dict) -> dict:
-    """The preset fields every DeepSeek-V3-family config (Kimi Linear's too) names the same way: sizes and MLA."""
-    return dict(num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-                ffn_hidden_size=text["intermediate_size"], num_attention_heads=text["num_attention_heads"],
-                vocab_size=text["vocab_size"], q_lora_rank=text.get("q_lora_rank"), kv_lora_rank=text["kv_lora_rank"],
-                qk_head_dim=text["qk_nope_head_dim"], qk_pos_emb_head_dim=text["qk_rope_head_dim"],
-                v_head_dim=text["v_head_dim"])
 
 
 def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext.convert.common import ConversionError, backbone_fields
 from megatron_ext.models.presets import ModelPreset, parse_layer_pattern
 
 MODEL_TYPE = "kimi_linear"
@@ -90,8 +91,6 @@ def layer_pattern(text: dict, source: str) -> str:
 
 def preset_from_config(text: dict, source: str = "config.json") -> ModelPreset:
     """The Megatron architecture of a kimi_linear config.json; refuses what Megatron cannot express."""
-    from megatron_ext.convert.hf import ConversionError, backbone_fields
-
     def need(cond, msg):
         if not cond:
             raise ConversionError(f"{source}: {msg}")

@@ -247,7 +247,7 @@ def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = F
                 raise failures[0] from None
             raise
         common = {"iteration": 0, "format_version": checkpointing.FORMAT_VERSION, "release": True,
-                  "args": {**checkpointing._serializable_args(args), "no_save_optim": True},
+                  "args": {**checkpointing.serializable_args(args), "no_save_optim": True},
                   "layout": {}, "optimizer_parts": 0, "opt_param_scheduler": None,
                   "converted_from": os.path.abspath(hf_dir),
                   "source_fingerprint": source_fingerprint(hf_dir, dtype, no_mtp)}

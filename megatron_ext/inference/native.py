@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_ext.inference.engine import SamplingParams
+from megatron_ext.inference.protocol import MAX_N, Job, RequestError, bool_field, check_unicode, int_field
 
 # sampling_params keys accepted without effect on the tokens (text rendering options; the engine has no stream)
 _NO_EFFECT = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
@@ -44,8 +45,6 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 
 def _error(message: str, status: int = 400):
-    from megatron_ext.inference.server import RequestError
-
     return RequestError(message, status)
 
 
@@ -58,8 +57,6 @@ def _ids(value, where: str) -> list[int]:
 
 def _sampling(service, sp, where: str, routing: bool) -> tuple[SamplingParams, int]:
     """One prompt's SGLang sampling_params as the engine's SamplingParams, and its n."""
-    from megatron_ext.inference.server import MAX_N, _int
-
     if not isinstance(sp, dict):
         raise _error(f"'{where}' must be an object, got {type(sp).__name__}")
     unknown = sorted(set(sp) - _SAMPLING)
@@ -71,33 +68,31 @@ def _sampling(service, sp, where: str, routing: bool) -> tuple[SamplingParams, i
         raise _error(f"'{where}': {changed} are not implemented by this server's sampler; leave them at their "
                      f"neutral values ({ {k: _NEUTRAL[k] for k in changed} })")
     seed = sp.get("sampling_seed", sp.get("seed"))
-    top_k = _int(sp, "top_k", -1, lo=-1)
-    body = {"max_tokens": _int(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, lo=1),
+    top_k = int_field(sp, "top_k", -1, lo=-1)
+    body = {"max_tokens": int_field(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, lo=1),
             "temperature": sp.get("temperature", 1.0), "top_p": sp.get("top_p", 1.0),
             "top_k": 0 if top_k == -1 else top_k, "seed": seed, "stop": sp.get("stop"),
             "stop_token_ids": sp.get("stop_token_ids"), "return_routing": routing}
     if sp.get("ignore_eos", False) is True:  # SGLang: no stop ids at all, only max_new_tokens ends a sample
         body["stop_token_ids"] = None
     params = service._sampling(body)
-    n = _int(sp, "n", 1, lo=1, hi=MAX_N)
+    n = int_field(sp, "n", 1, lo=1, hi=MAX_N)
     return params, n
 
 
 @dataclasses.dataclass
 class NativeRequest:
-    jobs: list  # server.Job, one per prompt (a prompt repeated with consecutive seeds folds into one job)
+    jobs: list[Job]  # one per prompt (a prompt repeated with consecutive seeds folds into one job)
     single: bool  # one prompt, one sample: answer an object, not a list
     routed_start: int
 
 
 def parse_generate(service, body: dict) -> NativeRequest:
-    from megatron_ext.inference.server import Job, _bool, _check_unicode, _int
-
-    _check_unicode(body, "body")
+    check_unicode(body, "body")
     unknown = sorted(set(body) - _TOP_LEVEL)
     if unknown:
         raise _error(f"/generate: fields this server does not implement: {unknown} (supported: {sorted(_TOP_LEVEL)})")
-    if _bool(body, "stream"):
+    if bool_field(body, "stream"):
         raise _error("'stream' is not supported on /generate; use /v1/completions with \"stream\": true")
     if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num") not in (None, 0):
         raise _error("prompt logprobs ('logprob_start_len' >= 0) and 'top_logprobs_num' > 0 are not implemented; "
@@ -123,9 +118,9 @@ def parse_generate(service, body: dict) -> NativeRequest:
             raise _error(f"'sampling_params' has {len(sps)} entries for {len(prompts)} prompts")
     else:
         sps = [sps] * len(prompts)
-    routing = _bool(body, "return_routed_experts")
-    logprob = _bool(body, "return_logprob")
-    speculative = _bool(body, "speculative")
+    routing = bool_field(body, "return_routed_experts")
+    logprob = bool_field(body, "return_logprob")
+    speculative = bool_field(body, "speculative")
     if speculative and not service.engine.mtp_layers:
         raise _error("'speculative' needs a model with MTP layers (--mtp-num-layers >= 1)")
     jobs = []
@@ -146,7 +141,7 @@ def parse_generate(service, body: dict) -> NativeRequest:
             service.engine.check_request([job.prompt_ids], [job.params])
         except ValueError as e:
             raise _error(str(e)) from None
-    start = _int(body, "routed_experts_start_len", 0, lo=0)
+    start = int_field(body, "routed_experts_start_len", 0, lo=0)
     if start > min(len(p) for p in prompts):
         raise _error(f"'routed_experts_start_len' {start} is past the end of a prompt")
     return NativeRequest(jobs, single and len(jobs) == 1 and jobs[0].n == 1, start)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
-import math
 import queue
 import socket
 import threading
@@ -42,63 +40,10 @@ from megatron_ext import platform
 from megatron_ext.data.sft import IM_END, parse_assistant
 from megatron_ext.inference import native
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams
+from megatron_ext.inference.protocol import (MAX_N, Job, RequestError, bool_field, check_unicode, float_field,
+                                             int_field)
 from megatron_ext.inference.speculative import SpeculationStats
 from megatron_ext.inference.speculative_batch import generate_speculative_groups
-
-MAX_N = 64  # samples per request
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, status: int = 400, fields: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.fields = status, fields or {}
-
-
-def _int(body: dict, key: str, default, lo=None, hi=None):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if (isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo)
-            or (hi is not None and value > hi)):
-        bounds = " and ".join(b for b in (f">= {lo}" if lo is not None else "", f"<= {hi}" if hi is not None else "")
-                              if b)
-        raise RequestError(f"'{key}' must be an integer{' ' + bounds if bounds else ''}, got {value!r}")
-    return value
-
-
-def _float(body: dict, key: str, default):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"'{key}' must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _bool(body: dict, key: str):
-    value = body.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"'{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _check_unicode(value, where: str):
-    """JSON allows lone surrogates (\\ud800) that no tokenizer can encode: refuse them, naming the field."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise RequestError(f"'{where}' is not valid Unicode (a lone surrogate at character {e.start})") from None
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_unicode(v, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(k, where)
-            _check_unicode(v, f"{where}.{k}")
-
 
 def _tools(value):
     if value is None:
@@ -116,21 +61,6 @@ def _tools(value):
         if "description" in fn and not isinstance(fn["description"], str):
             raise RequestError(f"'tools[{i}].function.description' must be a string")
     return value
-
-
-@dataclasses.dataclass
-class Job:
-    """One HTTP request's generation: n samples of one prompt."""
-    kind: str  # "completion" | "chat"
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int
-    speculative: bool
-    stream: bool
-    logprobs: bool
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    # called on the batching thread as each token is drawn: (sample index, token id, raw logprob)
-    on_token: Optional[Callable[[int, int, float], None]] = None
 
 
 class ModelService:
@@ -170,11 +100,12 @@ class ModelService:
         stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise RequestError(f"'stop_token_ids' must be a list of integers, got {body.get('stop_token_ids')!r}")
-        params = SamplingParams(max_tokens=_int(body, "max_tokens", 16, lo=1),
-                                temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0),
-                                top_k=_int(body, "top_k", 0, lo=0), seed=_int(body, "seed", None, lo=0),
+        params = SamplingParams(max_tokens=int_field(body, "max_tokens", 16, lo=1),
+                                temperature=float_field(body, "temperature", 1.0),
+                                top_p=float_field(body, "top_p", 1.0),
+                                top_k=int_field(body, "top_k", 0, lo=0), seed=int_field(body, "seed", None, lo=0),
                                 stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                                return_routing=_bool(body, "return_routing"))
+                                return_routing=bool_field(body, "return_routing"))
         try:
             params.validate(self.engine.vocab_size)
         except ValueError as e:
@@ -191,8 +122,8 @@ class ModelService:
         raise RequestError("'prompt' must be a string or a non-empty list of token ids")
 
     def _job(self, kind: str, body: dict, prompt_ids: list[int], params: SamplingParams) -> Job:
-        n = _int(body, "n", 1, lo=1, hi=MAX_N)
-        speculative, stream = _bool(body, "speculative"), _bool(body, "stream")
+        n = int_field(body, "n", 1, lo=1, hi=MAX_N)
+        speculative, stream = bool_field(body, "speculative"), bool_field(body, "stream")
         logprobs = body.get("logprobs")
         if logprobs is not None and not (isinstance(logprobs, bool) or (isinstance(logprobs, int) and logprobs >= 0)):
             raise RequestError(f"'logprobs' must be true/false or an integer >= 0, got {logprobs!r}")
@@ -227,16 +158,16 @@ class ModelService:
                                    "prompt_tokens": prompt_tokens, "max_model_len": context})
 
     def parse_completion(self, body: dict) -> Job:
-        _check_unicode(body, "body")
+        check_unicode(body, "body")
         return self._job("completion", body, self._prompt_ids(body.get("prompt")), self._sampling(body))
 
     def parse_chat(self, body: dict) -> Job:
-        _check_unicode(body, "body")
+        check_unicode(body, "body")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("'messages' must be a non-empty list of message objects")
         tools = _tools(body.get("tools"))
-        if tools and _bool(body, "stream"):
+        if tools and bool_field(body, "stream"):
             raise RequestError("'stream' with 'tools' is not supported: tool calls are parsed from the whole "
                                "reply; send \"stream\": false")
         if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):

@@ -208,7 +208,7 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(f"--model {name!r} is not a known preset; choose one of {sorted(PRESETS)}") from None
 
 
-def _attention_params(p: ModelPreset) -> int:
+def attention_params(p: ModelPreset) -> int:
     h, n = p.hidden_size, p.num_attention_heads
     q_head = p.qk_head_dim + p.qk_pos_emb_head_dim
     if p.q_lora_rank:
@@ -231,17 +231,17 @@ def _kda_params(p: ModelPreset) -> int:
 def _layer_attention_params(p: ModelPreset, i: int) -> int:
     if p.hybrid_layer_pattern and p.hybrid_layer_pattern[i] == "K":
         return _kda_params(p)
-    return _attention_params(p)
+    return attention_params(p)
 
 
-def _mlp_params(h: int, ffn: int) -> int:
+def mlp_params(h: int, ffn: int) -> int:
     return 3 * h * ffn  # gated (SwiGLU): gate, up, down
 
 
-def _moe_params(p: ModelPreset, experts: int) -> int:
+def moe_params(p: ModelPreset, experts: int) -> int:
     h = p.hidden_size
-    shared = _mlp_params(h, p.moe_shared_expert_intermediate_size or 0)
-    return p.num_experts * h + experts * _mlp_params(h, p.moe_ffn_hidden_size) + shared
+    shared = mlp_params(h, p.moe_shared_expert_intermediate_size or 0)
+    return p.num_experts * h + experts * mlp_params(h, p.moe_ffn_hidden_size) + shared
 
 
 def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int]:
@@ -256,10 +256,10 @@ def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int
         attn = _layer_attention_params(p, i)
         post_norm = h
         if is_moe:
-            total += attn + post_norm + _moe_params(p, p.num_experts)
-            active += attn + post_norm + _moe_params(p, p.moe_router_topk)
+            total += attn + post_norm + moe_params(p, p.num_experts)
+            active += attn + post_norm + moe_params(p, p.moe_router_topk)
         else:
-            dense = attn + post_norm + _mlp_params(h, p.ffn_hidden_size)
+            dense = attn + post_norm + mlp_params(h, p.ffn_hidden_size)
             total += dense
             active += dense
     embeddings = p.vocab_size * h * (2 if p.untie_embeddings_and_output_weights else 1)
@@ -271,8 +271,8 @@ def parameter_counts(p: ModelPreset, include_mtp: bool = True) -> tuple[int, int
         active += (2 * p.num_layers + 1) * h
     if include_mtp and p.mtp_num_layers:
         last_is_moe = p.moe_layer_pattern[-1]
-        layer = _layer_attention_params(p, p.num_layers - 1) + h + (_moe_params(p, p.num_experts) if last_is_moe
-                                             else _mlp_params(h, p.ffn_hidden_size))
+        layer = _layer_attention_params(p, p.num_layers - 1) + h + (moe_params(p, p.num_experts) if last_is_moe
+                                             else mlp_params(h, p.ffn_hidden_size))
         # enorm, hnorm, eh_proj (2h -> h), the transformer layer, a final norm; embedding and head are shared
         total += p.mtp_num_layers * (2 * h + 2 * h * h + layer + h)
     return total, active

@@ -16,7 +16,8 @@ from megatron_ext import gpu, platform
 from megatron_ext.models import attn_residuals
 from megatron_ext.models.kda import HybridSpec
 from megatron_ext.models.presets import ModelPreset, parameter_counts
-from megatron_ext.models.specs import ReplicatedLinear, decoder_block_spec, mtp_block_spec
+from megatron_ext.models.local_backend import ReplicatedLinear
+from megatron_ext.models.specs import decoder_block_spec, mtp_block_spec
 
 
 def transformer_config(args: argparse.Namespace) -> MLATransformerConfig:

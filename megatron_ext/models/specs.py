@@ -16,7 +16,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec_for_backend,
     get_mlp_module_spec_for_backend,
 )
-from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -28,32 +27,10 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from megatron_ext.models.attention import CoreAttention
 from megatron_ext.models.kda import HybridSpec, hybrid_layer_spec
+from megatron_ext.models.local_backend import LocalBackend
 from megatron_ext.models.mla import ContextParallelMLA
-from megatron_ext.models.norm import RMSNorm
 from megatron_ext.models.te_layout import fused_norm_keys
-
-
-class LocalBackend(LocalSpecProvider):
-    """Megatron-Core's local modules, with our core attention and sequence-parallel RMSNorm."""
-
-    def duplicated_linear(self) -> type:
-        """For MLA's down projections: replicated on every TP rank, like TE's 'duplicated' TELinear.
-
-        With a column-parallel down projection Megatron-Core 0.16.1 drops the other TP ranks' contributions to
-        the rope key's gradient (`gather_from_tensor_model_parallel_region` backpropagates only the local
-        slice, but every rank uses the full rope key for its own heads). A replicated projection keeps the
-        sequence-parallel path, whose reduce-scatter sums those contributions. Megatron-Core accepts exactly
-        this class there; `provider.init_replicated_linears_` gives it Megatron's initialisation.
-        """
-        return ReplicatedLinear
-
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-        return RMSNorm
-
-    def core_attention(self) -> type:
-        return CoreAttention
 
 
 def mla_layer_spec(backend: LocalSpecProvider, num_experts: int | None) -> ModuleSpec:

@@ -24,6 +24,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.mlp import MLPSubmodules
 
+from megatron_ext.models.local_backend import LocalBackend, ReplicatedLinear
+
 # local spec name (prefix inside a transformer layer) -> TE spec name
 MLA_FUSED_NORM_KEYS = {
     "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
@@ -78,8 +80,6 @@ class NormColumnParallelLinear(ColumnParallelLinear):
 
 
 def _cpu_te_backend():
-    from megatron_ext.models.specs import LocalBackend, ReplicatedLinear
-
     class CpuTESpecProvider(LocalBackend):
         """Megatron-Core's `TESpecProvider` answered with CPU modules that have TE's parameter names."""
 

@@ -60,7 +60,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
-def _tp_sum(x: torch.Tensor) -> torch.Tensor:
+def tp_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of per-shard partials into a value every rank then uses whole (identity backward, like the loss)."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return x
@@ -116,7 +116,7 @@ def self_distillation_losses(main_logits: torch.Tensor, mtp_logits: list[torch.T
     for k, logits in enumerate(mtp_logits, start=1):
         log_q = vocab_parallel_log_softmax(logits / temperature)
         log_p = context_parallel.shift_left(target, k, bounds, dim=0)
-        kl = _tp_sum((log_p.exp() * (log_p - log_q)).sum(dim=-1, keepdim=True)).squeeze(-1)  # [s, b]
+        kl = tp_sum((log_p.exp() * (log_p - log_q)).sum(dim=-1, keepdim=True)).squeeze(-1)  # [s, b]
         mask = shifted_mask(loss_mask, k, packed_seq_params)
         out.append((kl.transpose(0, 1), mask, top1_agreement(main_logits, logits, k, packed_seq_params)))
     return out

@@ -106,7 +106,7 @@ class _MainLogits:
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position, the vocabulary split over the tensor-parallel group."""
     logp = distill.vocab_parallel_log_softmax(logits)
-    return distill._tp_sum(-(logp.exp() * logp).sum(-1))
+    return distill.tp_sum(-(logp.exp() * logp).sum(-1))
 
 
 def _decoder_routers(model: torch.nn.Module) -> list:

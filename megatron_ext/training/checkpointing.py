@@ -77,7 +77,7 @@ def _layout(args: argparse.Namespace) -> dict:
                                           "context_parallel_size")}
 
 
-def _serializable_args(args: argparse.Namespace) -> dict:
+def serializable_args(args: argparse.Namespace) -> dict:
     out = {}
     for k, v in vars(args).items():
         if dataclasses.is_dataclass(v):
@@ -139,7 +139,7 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
     dist.barrier()
     state = _sharded_state_dict(args, model, optimizer, with_optimizer=not args.no_save_optim, with_rng=True,
                                 loading=False)
-    state.update(iteration=iteration, format_version=FORMAT_VERSION, args=_serializable_args(args),
+    state.update(iteration=iteration, format_version=FORMAT_VERSION, args=serializable_args(args),
                  layout=_layout(args), optimizer_parts=_optimizer_parts(optimizer),
                  opt_param_scheduler=scheduler.state_dict() if scheduler else None,
                  **(extra or {}))
