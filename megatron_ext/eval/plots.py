@@ -115,7 +115,8 @@ def pareto_figure(labels, xs, ys, xlabel, title, intervals=None, highlight=()):
                     color="#c0392b" if special else "#2c7fb8", capsize=3, alpha=0.9, zorder=3 if special else 2,
                     label=(names[i] if special else "task") if first else None)
         if len(xs) <= 20:
-            notes.append(ax.annotate(names[i], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8))
+            notes.append(ax.annotate(names[i], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8,
+                                     annotation_clip=False))
     frontier = pareto_frontier(xs, ys)
     ax.plot([xs[i] for i in frontier], [ys[i] for i in frontier], "--", color="#555555", label="Pareto frontier")
     ax.set_xlabel(xlabel)
@@ -126,21 +127,27 @@ def pareto_figure(labels, xs, ys, xlabel, title, intervals=None, highlight=()):
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    _separate(fig, notes)
+    _separate(fig, ax, notes)
     return fig
 
 
-def _separate(fig, notes):
-    """Move annotations up (in steps of their height) until no two overlap."""
+def _separate(fig, ax, notes):
+    """Place each annotation inside the axes (left or right of its point, above it or, near the top, below) and
+    step it away from its point (down in the upper half, up in the lower) until it overlaps no earlier one."""
     renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
     placed = []
     for note in notes:
+        px, py = ax.transData.transform(note.xy)
+        upper = py > frame.y0 + 0.5 * frame.height
+        note.set_horizontalalignment("right" if px > frame.x0 + 0.6 * frame.width else "left")
+        note.xyann = (-5 if note.get_horizontalalignment() == "right" else 5, -12 if upper else 5)
         for _ in range(len(notes) + 1):
             box = note.get_window_extent(renderer)
             if not any(box.overlaps(other) for other in placed):
                 break
             dx, dy = note.xyann
-            note.xyann = (dx, dy + box.height * 72.0 / fig.dpi + 1)
+            note.xyann = (dx, dy + (-1 if upper else 1) * (box.height * 72.0 / fig.dpi + 1))
         placed.append(note.get_window_extent(renderer))
 
 

@@ -152,3 +152,5 @@ def test_figure_labels_keep_the_distinguishing_part_and_the_legend_hides_nothing
     assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
     boxes = [t.get_window_extent(renderer) for t in ax.texts]
     assert len(boxes) == 5 and not any(boxes[i].overlaps(boxes[j]) for i in range(5) for j in range(i))
+    frame = ax.get_window_extent(renderer)
+    assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for b in boxes)
