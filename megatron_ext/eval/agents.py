@@ -40,8 +40,10 @@ def script_factory(folder: str, tasks: list[Task], suite_ids=None) -> AgentFacto
         path = os.path.join(folder, f"{task.id}.json")
         actions[task.id] = load_actions(path) if os.path.exists(path) else []
     known = {t.id for t in tasks}
-    strays = sorted(n for n in os.listdir(folder) if n.endswith(".json") and
-                    n[:-len(".json")] not in (known if suite_ids is None else set(suite_ids) | known))
+    ids = known if suite_ids is None else set(suite_ids) | known
+    files = [os.path.relpath(os.path.join(base, n), folder) for base, _, names in os.walk(folder) for n in names
+             if n.endswith(".json")]  # nested too: a mined id holds '/' (pkg-1.0:pkg/mod.py::fn)
+    strays = sorted(n for n in files if n[:-len(".json")] not in ids)
     if strays and not any(actions.values()):
         raise AgentError(f"--agent script:{folder}: none of its files names a task of the suite (found "
                          f"{strays[:5]}; expected <task id>.json, e.g. {min(known)}.json)")

@@ -45,7 +45,8 @@ TASK_SCHEMA = {
 
 def _records(path: str) -> list[tuple[str, object]]:
     """(where, JSON value) of every task record in a task file; an unreadable file is one ('path', error) pair."""
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     if path.endswith(".jsonl"):
         out = []
         for number, line in enumerate(text.splitlines(), 1):

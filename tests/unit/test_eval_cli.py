@@ -15,7 +15,13 @@ from megatron_ext.env.demo import ORACLE
 from megatron_ext.env.tasks import TaskError
 from megatron_ext.eval.agents import make_factory
 from megatron_ext.eval.tasks import load_suite
-from tests.unit.eval_fixtures import ROOT, make_suite, oracle_dir, run_eval_main, script_dir
+from tests.unit.eval_fixtures import (
+    ROOT,
+    make_suite,
+    oracle_dir,
+    run_eval_main,
+    script_dir,
+)
 
 
 @pytest.fixture
@@ -50,9 +56,12 @@ def test_list_filter_task_ids_and_one_task_by_id(suite, capsys):
 def test_script_files_that_name_no_task_are_named(suite, tmp_path, caplog):
     tasks = load_suite(suite)
     folder = script_dir(str(tmp_path), "agents", {"add-a": ORACLE, "add_b": ORACLE})  # a typo: add_b
+    os.makedirs(os.path.join(folder, "pkg-1.0:pkg"))
+    with open(os.path.join(folder, "pkg-1.0:pkg", "mod.py::fn.json"), "w") as f:  # a mined id's nested file
+        json.dump(ORACLE, f)
     with caplog.at_level(logging.WARNING):
         make_factory(f"script:{folder}", tasks)
-    assert "['add_b.json']" in caplog.text and "tasks without a file get no actions: ['add-b', 'add-c']" in caplog.text
+    assert "2 files name no task of the suite: ['add_b.json', 'pkg-1.0:pkg/mod.py::fn.json']" in caplog.text and "tasks without a file get no actions: ['add-b', 'add-c']" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # a selection: the other tasks' files are not strays
         make_factory(f"script:{oracle_dir(str(tmp_path), ids=('add-a', 'add-b'))}", tasks[:1],
