@@ -141,7 +141,7 @@ def test_statistics(built):
     assert stats["overall"]["median_instruction_chars"] == sum(len(t["instruction"]) for t in tasks) / 2
     assert stats["cursorbench"] == {"median_changed_lines": 181, "median_instruction_chars": 390}
     table = suites.markdown("texty", stats)
-    assert "| texty-0.1 | 2 | 2 |" in table and "| CursorBench (report) | - | 181 | 390 |" in table
+    assert "| texty-0.1 | 2 | 3 |" in table and "| CursorBench (report) | - | 181 | 390 |" in table
 
 
 def test_wrong_file_is_refused(local, tmp_path):
