@@ -26,6 +26,7 @@ setup(
         "ruff==0.17.6",  # megatron_ext/env/rewards.py: the style reward
         "ray==2.60.0",  # megatron_ext/rl: rollout workers and environments outside the trainer
         "matplotlib",  # tools/run_eval.py: the evaluation report's figures
+        "jsonschema>=4.18",  # tools/run_eval.py --validate: the task JSON Schema (draft 2020-12)
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4

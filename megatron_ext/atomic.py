@@ -18,6 +18,20 @@ class Discard(Exception):
     """Raise inside `atomic_output` to drop what was written (e.g. nothing matched) without replacing the target."""
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask sets it, racing other threads' file creation)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output(path: str, mode: str = "w", encoding: str | None = "utf-8"):
     """Open a temporary sibling of `path` for writing; rename it onto `path` when the block completes. On an
@@ -26,6 +40,7 @@ def atomic_output(path: str, mode: str = "w", encoding: str | None = "utf-8"):
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would make outputs private to their writer
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()

@@ -7,7 +7,10 @@ reverting recent commits that changed code and tests.
 
 Each accepted task was verified: its test command fails on the agent's starting code and passes on the reference. Task
 folders (the agent's repository and the hidden tests) go to OUT's folder under OUT_STEM.d/; what was skipped is
-printed with its reason. See megatron_ext/env/mining.py.
+printed with its reason. --seed shuffles the candidates (the same seed, the same tasks) and --max-per-file caps the
+tasks one file gives, so a small --max-tasks still spreads over the package. OUT is written atomically and only when
+some task was mined: a run that finds none exits 1 and leaves an existing OUT as it was. See
+megatron_ext/env/mining.py.
 """
 
 import argparse
@@ -26,6 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the task suite to write (.jsonl)")
     p.add_argument("--max-tasks", type=int, default=10, help="tasks per source")
     p.add_argument("--max-candidates", type=int, default=20, help="functions tried per source")
+    p.add_argument("--max-per-file", type=int, default=None, help="tasks from one file, per source (default: no cap)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="shuffle the candidates with this seed (default: file path, then line order)")
     p.add_argument("--min-body-lines", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit of one test-suite run")
     p.add_argument("--commits", type=int, default=0,
@@ -34,6 +40,11 @@ def main(argv=None) -> int:
     if not args.out.endswith(".jsonl"):
         print("error: --out must name a .jsonl file", file=sys.stderr)
         return 2
+    for flag, value in (("--max-tasks", args.max_tasks), ("--max-candidates", args.max_candidates),
+                        ("--max-per-file", args.max_per_file)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     missing = [s for s in args.sources if not os.path.exists(s)]
     if missing:
         print(f"error: no such source(s): {missing}", file=sys.stderr)
@@ -42,7 +53,8 @@ def main(argv=None) -> int:
     assets = os.path.abspath(args.out)[: -len(".jsonl")] + ".d"
     os.makedirs(assets, exist_ok=True)
     config = MineConfig(min_body_lines=args.min_body_lines, max_candidates=args.max_candidates,
-                        max_tasks=args.max_tasks, timeout_s=args.timeout_s)
+                        max_tasks=args.max_tasks, max_per_file=args.max_per_file, seed=args.seed,
+                        timeout_s=args.timeout_s)
     config.sandbox.limits.wall_s = args.timeout_s
     miner = Miner(config, log=lambda m: print(m, file=sys.stderr))
     tasks, skipped = [], []
@@ -54,11 +66,15 @@ def main(argv=None) -> int:
             found, why = miner.mine_commits(source, assets, args.commits, task_base=base)
             tasks += found
             skipped += why
-    write_tasks(args.out, tasks)
     for what, reason in skipped:
         print(json.dumps({"skipped": what, "reason": reason}), file=sys.stderr)
+    if not tasks:
+        print(f"error: no task could be mined ({len(skipped)} skipped, reasons above); {args.out} was not written"
+              + (", the existing file is unchanged" if os.path.exists(args.out) else ""), file=sys.stderr)
+        return 1
+    write_tasks(args.out, tasks)
     print(f"{len(tasks)} tasks written to {args.out}; {len(skipped)} candidates skipped", file=sys.stderr)
-    return 0 if tasks else 1
+    return 0
 
 
 if __name__ == "__main__":

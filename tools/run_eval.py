@@ -9,9 +9,16 @@
         --swarm-subagent-policy endpoint:URL2 --swarm-max-subagents 4 --out runs/eval/swarm
     python tools/run_eval.py --compare runs/eval/k25 runs/eval/ours --out runs/eval/k25-vs-ours
     python tools/run_eval.py nll ...                  # codebase NLL (megatron_ext/eval/nll.py)
+    python tools/run_eval.py --tasks SUITE --list [--filter 'pkg-1.0:pkg/mod.py::*']   # the task ids, nothing run
+    python tools/run_eval.py --validate TASKS...      # check task files against docs/task.schema.json
 
 SUITE: a .json/.jsonl task file (megatron_ext/env/tasks.py), a directory of them (or of */task.json), or
-builtin:NAME. script:DIR holds DIR/<task id>.json, the environment's ACTIONS.json format (no file: no actions).
+builtin:NAME; SUITE#ID is one task of it. --filter GLOB (repeatable) and --task-ids ID,ID narrow the suite (the
+selection is part of the run: resume with the same). --max-turns overrides every task's max_turns and
+--episode-timeout-s bounds an episode's wall clock (status episode_timeout; both pinned in run.json).
+script:DIR holds DIR/<task id>.json, the environment's ACTIONS.json format (no file: no actions; files that name no
+task are listed in a warning). Nothing is written to --out until the agent is ready. A --passes below what the run
+holds runs nothing new and keeps every stored pass in the summary (it says so).
 The run directory gets one file per finished episode as it finishes (RUN/episodes/), then episodes.jsonl,
 summary.json, report.md and report.html. With --agent-mode swarm the agent is an orchestrator that delegates
 to sub-agents (megatron_ext/env/swarm.py; sub-agents from --swarm-subagent-policy: script:DIR with
@@ -20,12 +27,14 @@ add critical steps, total steps and the swarm's statistics, and --compare of a s
 on the same suite shows the accuracy and the critical-step and wall-clock differences.
 Running the same command again resumes: finished episodes are kept
 (also after kill -9); with other price flags it only rewrites the summary and report. Exit status: 0 when every
-episode ran, 1 when some could not run (resume to retry them), 2 on bad input.
+episode ran, 1 when some could not run (resume to retry them; a task whose test command cannot be started is one
+of them, named), 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -39,7 +48,7 @@ from megatron_ext.env.arguments import add_env_args, add_swarm_args, episode_con
 from megatron_ext.env.tasks import TaskError  # noqa: E402
 from megatron_ext.eval.agents import endpoint_factory, make_factory, swarm_setup  # noqa: E402
 from megatron_ext.eval.harness import RunDir, RunError, run_suite, token_counter  # noqa: E402
-from megatron_ext.eval.tasks import load_suite  # noqa: E402
+from megatron_ext.eval.tasks import load_suite, select_tasks  # noqa: E402
 from megatron_ext.eval.usage import Prices  # noqa: E402
 
 
@@ -51,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="swarm: the agent is an orchestrator with sub-agents (the --swarm-* flags)")
     p.add_argument("--model", default=None, help="model name sent to the endpoint")
     p.add_argument("--passes", type=int, default=1, help="episodes per task (K)")
+    p.add_argument("--list", action="store_true", help="print the (selected) task ids of --tasks and exit")
+    p.add_argument("--filter", action="append", default=[], metavar="GLOB",
+                   help="only tasks whose id matches GLOB (fnmatch; repeatable: any of them)")
+    p.add_argument("--task-ids", default=None, metavar="ID,ID", help="only these tasks (comma-separated ids)")
+    p.add_argument("--validate", nargs="+", metavar="TASKS",
+                   help="check task files or directories against the task schema and exit (0: all valid)")
+    p.add_argument("--max-turns", type=int, default=None, help="override every task's max_turns")
+    p.add_argument("--episode-timeout-s", type=float, default=None,
+                   help="end an episode at the agent's first turn after this many seconds (graded as it stands)")
     p.add_argument("--concurrency", type=int, default=1, help="episodes run at once")
     p.add_argument("--out", help="run directory (resumed when it holds this run); with --compare: where the "
                                  "comparison report goes")
@@ -155,6 +173,28 @@ def run_compare(args) -> int:
     return 0
 
 
+def selected(suite: list, args) -> list:
+    ids = [i.strip() for i in (args.task_ids or "").split(",") if i.strip()]
+    return select_tasks(suite, args.filter, ids)
+
+
+def list_tasks(args) -> int:
+    """--list: the selected task ids, one a line (with the source and category when the task records them)."""
+    if not args.tasks:
+        print("error: --list needs --tasks SUITE", file=sys.stderr)
+        return 2
+    try:
+        tasks = selected(load_suite(args.tasks), args)
+    except TaskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for t in tasks:
+        extra = " ".join(str(t.metadata[k]) for k in ("source", "category") if t.metadata.get(k))
+        print(f"{t.id}\t{extra}" if extra else t.id)
+    print(f"{len(tasks)} tasks", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["nll"]:
@@ -165,15 +205,24 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.compare:
         return run_compare(args)
+    if args.validate:
+        from megatron_ext.eval.schema import validate_paths
+
+        return validate_paths(args.validate)
+    if args.list:
+        return list_tasks(args)
     missing = [f for f, v in (("--tasks", args.tasks), ("--agent", args.agent), ("--out", args.out)) if not v]
     if missing:
         print(f"error: {', '.join(missing)} required (or --compare RUN_A RUN_B ...)", file=sys.stderr)
         return 2
     for flag, value in (("--passes", args.passes), ("--concurrency", args.concurrency),
-                        ("--max-tokens", args.max_tokens)):
-        if value < 1:
+                        ("--max-tokens", args.max_tokens), ("--max-turns", args.max_turns)):
+        if value is not None and value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.episode_timeout_s is not None and args.episode_timeout_s <= 0:
+        print(f"error: --episode-timeout-s must be > 0, got {args.episode_timeout_s}", file=sys.stderr)
+        return 2
     if args.agent_mode != "swarm" and args.swarm_subagent_policy:
         print("error: --swarm-subagent-policy needs --agent-mode swarm", file=sys.stderr)
         return 2
@@ -184,24 +233,30 @@ def main(argv=None) -> int:
         return 2
     stop, swarm = None, None
     try:
-        tasks = load_suite(args.tasks)
+        suite = load_suite(args.tasks)
+        tasks = selected(suite, args)
+        if args.max_turns is not None:
+            tasks = [dataclasses.replace(t, max_turns=args.max_turns) for t in tasks]
         config = episode_config(args)
         tokenizer = args.count_tokenizer or (_flag_value(args.serve_arg, "--tokenizer-model")
                                              if args.agent.startswith("local:") else None)
         config.count_tokens, counter = token_counter(tokenizer)
         run = RunDir(args.out)
         swarm_cfg = swarm_config(args) if args.agent_mode == "swarm" else None
-        run.start({"suite_spec": args.tasks, "agent": args.agent, "model": args.model,
-                   "agent_mode": args.agent_mode, "swarm": swarm_manifest(args),
-                   "task_ids": [t.id for t in tasks], "passes": args.passes,
-                   "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        limits = {"max_turns": args.max_turns, "episode_timeout_s": args.episode_timeout_s}
+        manifest = {"suite_spec": args.tasks, "agent": args.agent, "model": args.model,
+                    "agent_mode": args.agent_mode, "swarm": swarm_manifest(args),
+                    "task_ids": [t.id for t in tasks], "passes": args.passes,
+                    "limits": limits if any(v is not None for v in limits.values()) else None,
+                    "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        run.check(manifest)  # refuse another run's directory before starting anything
         endpoint = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature}
         url = None
         if args.agent.startswith("local:"):
             url, stop = serve_local(args.agent[len("local:"):], args.serve_arg)
             factory = endpoint_factory(url, **endpoint)
         else:
-            factory = make_factory(args.agent, tasks, **endpoint)
+            factory = make_factory(args.agent, tasks, suite_ids=[t.id for t in suite], **endpoint)
         if swarm_cfg is not None:
             sub = {"model": args.model, "max_tokens": args.swarm_subagent_tokens_per_turn,
                    "temperature": args.swarm_subagent_temperature}
@@ -209,6 +264,7 @@ def main(argv=None) -> int:
                 sub["serve_args"] = tuple(args.serve_arg)
             swarm = swarm_setup(args.swarm_subagent_policy, tasks, swarm_cfg, agent_url=url,
                                 agent_checkpoint=args.agent[len("local:"):] if url else None, **sub)
+        passes = run.start(manifest)  # the agent is ready: from here on the directory is this run's
     except (TaskError, AgentError, RunError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: checkpoints
         if stop is not None:
             stop()
@@ -216,14 +272,18 @@ def main(argv=None) -> int:
         return 2
     from megatron_ext.eval.outputs import publish
 
+    if passes > args.passes:
+        print(f"note: --out {args.out} holds {passes} passes per task; --passes {args.passes} runs no new pass and "
+              f"the summary keeps all {passes} (a fresh --out evaluates {args.passes})", file=sys.stderr)
     try:
-        outcome = run_suite(tasks, factory, run, args.passes, args.concurrency, config, swarm=swarm)
+        outcome = run_suite(tasks, factory, run, passes, args.concurrency, config, swarm=swarm,
+                            episode_timeout_s=args.episode_timeout_s)
     finally:
         if swarm is not None:
             swarm.close()
         if stop is not None:
             stop()
-    summary = publish(run, tasks, args.passes, prices, counter)
+    summary = publish(run, tasks, passes, prices, counter)
     if summary["accuracy"] is not None:
         low, high = summary["accuracy_ci"]
         eff = summary["efficiency"]

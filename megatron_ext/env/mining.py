@@ -5,14 +5,19 @@ Feature deletion (`Miner.mine`): remove the body of a function the tests cover, 
 For each source (a directory, a git checkout or an sdist .tar.gz):
 
 1. copy it (without .git) and run its test suite once in a sandbox (pytest, JUnit XML): the reference results;
-2. candidates, in a deterministic order (path, line): top-level functions and methods outside the tests whose body
-   (docstring aside) has at least ``min_body_lines`` lines and whose name some test file mentions;
+2. candidates, in a deterministic order (path, line; or shuffled by ``seed``, the same seed giving the same
+   order): top-level functions and methods outside the tests whose body (docstring aside) has at least
+   ``min_body_lines`` lines and whose name some test file mentions; at most ``max_per_file`` tasks come from one
+   file, so a small ``max_tasks`` still spreads over the package;
 3. for each candidate, replace the body by ``raise NotImplementedError`` (the docstring stays) and rerun the suite:
    the tests that passed on the reference and now fail are the task's fail-to-pass tests (none: skipped);
 4. write the task: the agent's repository is the deleted version without its test files; the test files are the
    hidden tests; ``test_command`` runs the test files holding the fail-to-pass tests, deselecting any test that
    already failed on the reference; then verify with that exact command that the deleted version fails and the
-   reference passes (otherwise skipped).
+   reference passes (otherwise skipped). A command the sandbox cannot start (exit 126/127) is its own reason.
+
+``reference_diff_lines`` is `megatron_ext.env.episode.diff_lines` from the agent's starting files to the
+reference: the measure grading applies to the agent's changes, so an exact oracle has ratio 1.0.
 
 Commits (`Miner.mine_commits`, git checkouts): for each of the last N non-merge commits that changed code and
 tests, the agent gets the parent's code (tests removed) and the commit message; the hidden tests are the commit's
@@ -30,6 +35,8 @@ import fnmatch
 import io
 import json
 import os
+import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,11 +46,14 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_ext.atomic import atomic_output
+from megatron_ext.env.episode import diff_lines
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits, SandboxError, copy_source
 
 TEST_GLOBS = ("test_*.py", "*_test.py", "conftest.py")
 TEST_DIRS = ("tests", "test", "testing")
 REPORT = "/tmp/junit.xml"
+NOT_STARTED = (126, 127)  # /bin/sh: the command is not executable / not found
 
 
 @dataclass
@@ -51,6 +61,8 @@ class MineConfig:
     min_body_lines: int = 2
     max_candidates: int = 20         # per source, after the name filter
     max_tasks: int = 10              # per source
+    max_per_file: Optional[int] = None  # tasks from one file, per source (None: no cap)
+    seed: Optional[int] = None       # shuffle the candidates with this seed (None: path, line order)
     timeout_s: float = 300.0         # one run of the test suite
     sandbox: BubblewrapConfig = field(default_factory=lambda: BubblewrapConfig(
         limits=Limits(wall_s=300.0, cpu_s=600, output_bytes=16 << 20)))
@@ -129,13 +141,16 @@ def candidates(root: str, files: list[str], min_body_lines: int) -> tuple[list[C
                         skipped.append((f"{rel}::{name}", "body shares a line with the def or the docstring"))
                         continue
                     header = "\n".join(lines[child.lineno - 1: body[0].lineno - 1]).strip() or lines[child.lineno - 1]
-                    out.append(Candidate(rel, name, child.lineno, start, end, " " * rest[0].col_offset,
+                    first = lines[start - 1]
+                    out.append(Candidate(rel, name, child.lineno, start, end, first[:len(first) - len(first.lstrip())],
                                          header.strip(), doc))
         visit(tree, "")
     return out, skipped
 
 
 def delete_body(source: str, c: Candidate) -> str:
+    """The source with c's body replaced by ``raise NotImplementedError``, indented exactly as the body's first line
+    was (tabs or mixed tabs and spaces included: Python compares indentation as written)."""
     lines = source.splitlines(keepends=True)
     return "".join(lines[: c.body_start - 1] + [f"{c.indent}raise NotImplementedError\n"] + lines[c.end:])
 
@@ -167,16 +182,34 @@ def parse_junit(xml_text: str, test_files: list[str]) -> dict[str, str]:
     return results
 
 
+def missing_modules(output: str) -> list[str]:
+    """Modules an import failed to find, and pytest plugins an addopts/-p option needs, named in pytest's output
+    (what to install for the suite to run)."""
+    found = re.findall(r"No module named '([^']+)'", output)
+    found += [f"a pytest plugin for {flag}" for flag in re.findall(r"unrecognized arguments: (--?[\w-]+)", output)]
+    return list(dict.fromkeys(found))
+
+
+def reference_failure(output: str, tail_lines: int = 15) -> str:
+    """Why no test passed on the reference: the missing modules, if any, and the tail of pytest's output."""
+    missing = missing_modules(output)
+    tail = "\n".join(output.rstrip().splitlines()[-tail_lines:]) or "(no output)"
+    return ("no test passes on the reference" + (f"; missing: {', '.join(missing)}" if missing else "") +
+            f"; the end of pytest's output:\n{tail}")
+
+
 class Miner:
     def __init__(self, config: Optional[MineConfig] = None, log=print):
         self.config, self.log = config or MineConfig(), log
+        self.suite_output = ""  # the output of the last run_suite
 
     def run_suite(self, root: str, tests: list[str], replace: Optional[tuple[str, str]] = None) -> dict[str, str]:
         """Results of the test files under root (optionally with one file's text replaced)."""
         with BubblewrapSandbox(root, self.config.sandbox) as box:
             if replace:
                 box.write_file(replace[0], replace[1].encode())
-            box.exec(pytest_command(root, f"--junitxml={REPORT}"), timeout_s=self.config.timeout_s)
+            self.suite_output = box.exec(pytest_command(root, f"--junitxml={REPORT}"),
+                                         timeout_s=self.config.timeout_s).output
             try:
                 return parse_junit(box.read_file(REPORT).decode(), tests)
             except (ET.ParseError, SandboxError, ValueError):  # no report: the suite did not run
@@ -207,7 +240,7 @@ class Miner:
                 return [], [(source, "no test files (test_*.py, *_test.py, tests/)")]
             reference = self.run_suite(ref, tests)
             if not any(s == "passed" for s in reference.values()):
-                return [], [(source, "no test passes on the reference (missing dependencies?)")]
+                return [], [(source, reference_failure(self.suite_output))]
             test_text = "\n".join(open(os.path.join(ref, t), encoding="utf-8", errors="replace").read()
                                   for t in tests)
             found, skipped = candidates(ref, [f for f in files if not is_test_file(f)], self.config.min_body_lines)
@@ -220,17 +253,24 @@ class Miner:
                     mentioned.append(c)
                 else:
                     skipped.append((c.id, "no test file mentions its name"))
+            if self.config.seed is not None:
+                random.Random(self.config.seed).shuffle(mentioned)
             for c in mentioned[self.config.max_candidates:]:
                 skipped.append((c.id, f"over --max-candidates {self.config.max_candidates}"))
+            per_file: dict[str, int] = {}
             for c in mentioned[: self.config.max_candidates]:
                 if len(tasks) >= self.config.max_tasks:
                     skipped.append((c.id, f"over --max-tasks {self.config.max_tasks}"))
+                    continue
+                if self.config.max_per_file is not None and per_file.get(c.path, 0) >= self.config.max_per_file:
+                    skipped.append((c.id, f"over --max-per-file {self.config.max_per_file}"))
                     continue
                 task, reason = self._task(ref, c, reference, tests, out_dir, name)
                 if task is None:
                     skipped.append((c.id, reason))
                 else:
                     tasks.append(task)
+                    per_file[c.path] = per_file.get(c.path, 0) + 1
                     self.log(f"accepted {task['id']}: {len(task['metadata']['fail_to_pass'])} fail-to-pass tests")
         return tasks, skipped
 
@@ -239,7 +279,8 @@ class Miner:
         deleted = delete_body(original, c)
         after = self.run_suite(ref, tests, (c.path, deleted))
         if not after:
-            return None, "the suite does not run with the body deleted (import-time use?)"
+            return None, ("the suite does not run with the body deleted (import-time use?); the end of pytest's "
+                          "output: " + self.suite_output.rstrip()[-300:])
         broken = sorted(t for t, s in reference.items() if s == "passed" and after.get(t, "failed") == "failed")
         if not broken:
             return None, "deleting the body breaks no passing test"
@@ -260,7 +301,7 @@ class Miner:
         return self._record(task_id, folder, instruction, command, tests,
                             {"source": name, "category": "feature deletion", "function": c.id,
                              "fail_to_pass": broken, "reference_diff": diff,
-                             "reference_diff_lines": c.end - c.body_start + 1}), None
+                             "reference_diff_lines": diff_lines(deleted, original)}), None
 
     def _verified_command(self, folder: str, ref: str, broken: list[str], reference: dict):
         """The test command over the files of the fail-to-pass tests; (None, reason) unless it fails on the task's
@@ -270,13 +311,16 @@ class Miner:
         command = pytest_command(ref, " ".join(shlex.quote(f) for f in files) +
                                  "".join(f" --deselect {shlex.quote(t)}" for t in deselect))
         repo, hidden = os.path.join(folder, "repo"), os.path.join(folder, "hidden")
-        if self.check(repo, hidden, command)[0] == 0:
-            shutil.rmtree(folder)
-            return None, "the task's test command passes on the task's repository"
         code, output = self.check(ref, hidden, command)
+        if code in NOT_STARTED:
+            shutil.rmtree(folder)
+            return None, f"the task's test command cannot be started (exit {code}): {output[-300:]}"
         if code != 0:
             shutil.rmtree(folder)
             return None, f"the task's test command fails on the reference: {output[-300:]}"
+        if self.check(repo, hidden, command)[0] == 0:
+            shutil.rmtree(folder)
+            return None, "the task's test command passes on the task's repository"
         return command, None
 
     def _record(self, task_id, folder, instruction, command, hidden_tests, metadata) -> dict:
@@ -344,14 +388,14 @@ class Miner:
             message = _git(repo, "log", "-1", "--format=%B", commit).strip()
             code = [f for f in changed if f.endswith(".py") and not is_test_file(f)]
             diff = _git(repo, "diff", parent, commit, "--", *code)
+            edited = [f for f in changed if not is_test_file(f)]
             instruction = (f"Make the change this commit message describes:\n\n{message}\n\n"
                            "Hidden tests check the result.")
             return self._record(task_id, folder, instruction, command, tests,
                                 {"source": name, "category": "commit", "commit": commit, "parent": parent,
                                  "fail_to_pass": broken, "reference_diff": diff,
-                                 "reference_diff_lines": sum(1 for line in diff.splitlines()
-                                                             if line[:1] in "+-" and line[:3] not in ("+++", "---"))
-                                 }), None
+                                 "reference_diff_lines": sum(diff_lines(_read_text(before, f), _read_text(ref, f))
+                                                             for f in edited)}), None
 
 
 def _git(repo: str, *args: str) -> str:
@@ -388,11 +432,25 @@ def _layout(folder: str, agent_src: str, agent_tests: list[str], test_src: str, 
     return repo, hidden
 
 
+def _read_text(root: str, rel: str) -> str:
+    """A file's text as grading compares it ('' when absent or not text)."""
+    try:
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
 def write_tasks(path: str, tasks: list[dict]):
-    with open(path, "w") as f:
+    """Write the suite atomically; an empty one is refused (ValueError) and an existing file stays as it was, so
+    a failed mining run never leaves a 0-byte suite that a directory of suites would then reject."""
+    if not tasks:
+        raise ValueError(f"{path}: no tasks to write; " + ("the existing file is unchanged" if os.path.exists(path)
+                                                         else "nothing was written"))
+    with atomic_output(path) as f:
         for t in tasks:
             f.write(json.dumps(t, sort_keys=True) + "\n")

@@ -2,7 +2,8 @@
 
 * ``script:DIR``: DIR/<task id>.json holds the task's tool calls in the environment's ACTIONS.json format
   (megatron_ext/env/agents.py `load_actions`), played in order, then finish; a task without a file gets no actions
-  (it finishes at once). Every file is checked before the run starts.
+  (it finishes at once). Every file is checked before the run starts; files that name no task of the suite are
+  named in a warning (a typo in a file name would otherwise grade that task as a no-op).
 * ``endpoint:URL``: any OpenAI-compatible /v1/chat/completions (``--model NAME`` is sent as the model);
 * ``local:CKPT``: tools/run_eval.py serves the checkpoint in this process (tools/serve.py's model service on a
   free loopback port) and hands its URL here as an endpoint.
@@ -19,6 +20,7 @@ in-process server when CKPT is the ``--agent local:`` checkpoint).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -29,7 +31,8 @@ from megatron_ext.env.tasks import Task
 AgentFactory = Callable[[Task, int], object]  # (task, pass index) -> an agent with act() and close()
 
 
-def script_factory(folder: str, tasks: list[Task]) -> AgentFactory:
+def script_factory(folder: str, tasks: list[Task], suite_ids=None) -> AgentFactory:
+    """suite_ids: every id of the suite when `tasks` is a selection of it (files for the others are not strays)."""
     if not os.path.isdir(folder):
         raise AgentError(f"--agent script:{folder}: not a directory (one <task id>.json actions file per task)")
     actions = {}
@@ -37,10 +40,19 @@ def script_factory(folder: str, tasks: list[Task]) -> AgentFactory:
         path = os.path.join(folder, f"{task.id}.json")
         actions[task.id] = load_actions(path) if os.path.exists(path) else []
     known = {t.id for t in tasks}
-    strays = sorted(n for n in os.listdir(folder) if n.endswith(".json") and n[:-len(".json")] not in known)
+    ids = known if suite_ids is None else set(suite_ids) | known
+    files = [os.path.relpath(os.path.join(base, n), folder) for base, _, names in os.walk(folder) for n in names
+             if n.endswith(".json")]  # nested too: a mined id holds '/' (pkg-1.0:pkg/mod.py::fn)
+    strays = sorted(n for n in files if n[:-len(".json")] not in ids)
     if strays and not any(actions.values()):
         raise AgentError(f"--agent script:{folder}: none of its files names a task of the suite (found "
                          f"{strays[:5]}; expected <task id>.json, e.g. {min(known)}.json)")
+    if strays:
+        without = sorted(t.id for t in tasks if not actions[t.id])
+        logging.getLogger(__name__).warning(
+            f"warning: --agent script:{folder}: {len(strays)} files name no task of the suite: {strays[:10]}"
+            f"{'...' if len(strays) > 10 else ''}; tasks without a file get no actions: {without[:10]}"
+            f"{'...' if len(without) > 10 else ''}")
     return lambda task, index: ScriptAgent(actions[task.id])
 
 
@@ -48,13 +60,13 @@ def endpoint_factory(url: str, **kwargs) -> AgentFactory:
     return lambda task, index: EndpointAgent(url, **kwargs)
 
 
-def make_factory(spec: str, tasks: list[Task], **endpoint_kwargs) -> AgentFactory:
+def make_factory(spec: str, tasks: list[Task], suite_ids=None, **endpoint_kwargs) -> AgentFactory:
     """The factory for script:DIR or endpoint:URL (local:CKPT is served by the caller, then passed as endpoint)."""
     kind, sep, value = spec.partition(":")
     if not sep or not value or kind not in ("script", "endpoint"):
         raise AgentError(f"--agent {spec!r}: expected script:DIR, endpoint:URL or local:CKPT")
     if kind == "script":
-        return script_factory(value, tasks)
+        return script_factory(value, tasks, suite_ids)
     return endpoint_factory(value, **endpoint_kwargs)
 
 

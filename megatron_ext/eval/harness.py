@@ -6,7 +6,9 @@
 
 A run directory holds `run.json` (the suite, the agent and the task ids it was started with) and one file per
 finished episode. Resuming (the same command again, also after kill -9) runs only the episodes without a file;
-more --passes adds passes. An episode that could not run at all (a sandbox that failed to start, an agent server
+more --passes adds passes (fewer keeps the stored ones: `start` returns the passes the run holds). The manifest is
+written only once the agent is ready (`check` first refuses a directory that holds another run without writing),
+so a run that fails to start leaves nothing behind. An episode that could not run at all (a sandbox that failed to start, an agent server
 that could not be reached) writes nothing and is retried on the next resume. Episodes share nothing but the agent factory, so threads suffice: the work
 happens in sandboxed subprocesses and in the model server.
 
@@ -14,6 +16,12 @@ With a `SwarmSetup` (--agent-mode swarm) each episode is an orchestrator's (mega
 run_swarm_episode): the record adds critical_steps, total_steps, stages, the swarm statistics and the sub-agents'
 transcripts, and its usage counts the sub-agents' tokens too (`usage_by_role` splits them). A sub-agent server
 that cannot be reached makes the episode unstored and retried, as the orchestrator's does.
+
+An episode whose test command could not be started (exit 126/127 from the grading shell: a missing test runner)
+says nothing about the agent either: it is reported as could-not-run, naming the task and the command, instead of
+being stored as wrong. ``episode_timeout_s`` ends an episode at the agent's first turn after that many seconds (a
+command already running is bounded by the task's command_timeout_s); it is graded as it stands, with status
+``episode_timeout``.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ EPISODES = "episodes"
 
 
 # what a manifest written before a key existed meant by leaving it out
-PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None}
+PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None}
+PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits")
+NOT_STARTED = (126, 127)  # /bin/sh: the test command is not executable / not found
 
 
 class RunError(RuntimeError):
@@ -76,25 +86,35 @@ class RunDir:
         except ValueError as e:
             raise RunError(f"{self.manifest_path()}: unreadable ({e}); remove the run directory to start again")
 
-    def start(self, manifest: dict):
-        """Write the manifest of a new run, or check that an existing run is the same run (agent and tasks)."""
+    def check(self, manifest: dict) -> Optional[dict]:
+        """Refuse (RunError) a directory that holds something else than this run; writes nothing. Returns the
+        existing manifest (None for a new run)."""
         old = self.manifest()
         if old is None:
             if os.path.isdir(self.root) and os.listdir(self.root):
                 raise RunError(f"--out {self.root} exists and is not an evaluation run (no {MANIFEST}); "
                                "choose an empty or new directory")
-            with atomic_output(self.manifest_path()) as f:
-                json.dump(manifest, f, indent=1)
-            return
-        for key in ("agent", "model", "task_ids", "agent_mode", "swarm"):
+            return None
+        for key in PINNED:
             if old.get(key, PINNED_DEFAULTS.get(key)) != manifest.get(key, PINNED_DEFAULTS.get(key)):
                 raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
-                               "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*, or choose "
-                               "another --out")
+                               "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*/--filter/"
+                               "--task-ids/--max-turns/--episode-timeout-s, or choose another --out")
+        return old
+
+    def start(self, manifest: dict) -> int:
+        """Write the manifest of a new run, or check that an existing run is the same run (agent and tasks).
+        Returns the passes the run holds from now on (a resumed run keeps a larger count it was started with)."""
+        old = self.check(manifest)
+        if old is None:
+            with atomic_output(self.manifest_path()) as f:
+                json.dump(manifest, f, indent=1)
+            return manifest["passes"]
         if manifest["passes"] > old.get("passes", 0):
             with atomic_output(self.manifest_path()) as f:
                 json.dump({**old, "passes": manifest["passes"]}, f, indent=1)
         self.remove_partial_writes()
+        return max(manifest["passes"], old.get("passes", 0))
 
     def remove_partial_writes(self):
         """Temporary files a killed run left behind (atomic_output's .NAME.*.tmp)."""
@@ -128,6 +148,29 @@ def task_config(config: EpisodeConfig, task: Task) -> EpisodeConfig:
 
 class Unreachable(RuntimeError):
     """The agent's server could not be reached: the episode says nothing about the agent, so it is not stored."""
+
+
+class TestCommandNotStarted(RuntimeError):
+    """The task's test command could not be started: grading says nothing about the agent, so it is not stored."""
+
+
+class EpisodeTimeout(RuntimeError):
+    """The episode's wall-clock budget (--episode-timeout-s) is spent."""
+
+
+class _Deadline:
+    """An agent that refuses to take another turn once the episode's time is up (the episode is then graded)."""
+
+    def __init__(self, agent, seconds: float):
+        self.agent, self.seconds, self.deadline = agent, seconds, time.monotonic() + seconds
+
+    def act(self, messages, tools):
+        if time.monotonic() >= self.deadline:
+            raise EpisodeTimeout(f"the episode ran past --episode-timeout-s {self.seconds:g}")
+        return self.agent.act(messages, tools)
+
+    def close(self):
+        getattr(self.agent, "close", lambda: None)()
 
 
 class _Watched:
@@ -185,10 +228,10 @@ def swarm_usage(record: dict, count) -> dict:
 
 
 def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig,
-            swarm: Optional[SwarmSetup] = None) -> dict:
+            swarm: Optional[SwarmSetup] = None, episode_timeout_s: Optional[float] = None) -> dict:
     """One episode as the record the run stores: the episode's JSON plus pass index and token usage."""
     agent = factory(task, index)
-    watched = _Watched(agent)
+    watched = _Watched(agent if episode_timeout_s is None else _Deadline(agent, episode_timeout_s))
     try:
         if swarm is None:
             result = run_episode(task, watched, task_config(config, task))
@@ -201,7 +244,13 @@ def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig
         agent.close()
     if watched.unreachable is not None:
         raise Unreachable(str(watched.unreachable))
+    if result.grading.get("exit_code") in NOT_STARTED:
+        raise TestCommandNotStarted(
+            f"task {task.id}: its test_command could not be started (exit {result.grading['exit_code']}: "
+            f"{(result.grading.get('output') or '').strip()[-200:]!r}); command: {task.test_command[:200]}")
     record = {"pass": index, **result.to_json()}
+    if (result.error or "").startswith(EpisodeTimeout.__name__ + ":"):
+        record["status"] = "episode_timeout"
     if swarm is None:
         record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
     else:
@@ -219,7 +268,7 @@ def _eta(seconds: float) -> str:
 
 def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int, concurrency: int = 1,
               config: Optional[EpisodeConfig] = None, log: Optional[Callable[[str], None]] = None,
-              swarm: Optional[SwarmSetup] = None) -> dict:
+              swarm: Optional[SwarmSetup] = None, episode_timeout_s: Optional[float] = None) -> dict:
     """Run every (task, pass) without a result in `run`; returns {"ran", "skipped", "failed": [(task, pass, error)]}.
     With `swarm`, the agent is an orchestrator with sub-agents (module docstring)."""
     config = config or EpisodeConfig()
@@ -238,7 +287,8 @@ def run_suite(tasks: list[Task], factory: AgentFactory, run: RunDir, passes: int
         log(f"resuming {run.root}: {skipped} of {total} episodes already finished, {len(todo)} to run")
     lock, start, failed, ran = threading.Lock(), time.monotonic(), [], 0
     with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="episode") as pool:
-        futures = {pool.submit(run_one, task, k, factory, config, swarm): (task, k) for task, k in todo}
+        futures = {pool.submit(run_one, task, k, factory, config, swarm, episode_timeout_s): (task, k)
+                   for task, k in todo}
         try:
             for future in as_completed(futures):
                 task, k = futures[future]

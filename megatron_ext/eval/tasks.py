@@ -4,7 +4,11 @@ SUITE is one of
 * a ``.json`` / ``.jsonl`` task file;
 * a directory: every ``*.json`` and ``*.jsonl`` file directly in it plus every ``*/task.json`` one level down
   (the layout tools/mine_tasks.py and megatron_ext/env/demo.py write), in sorted order;
-* ``builtin:NAME``: a built-in suite, materialised on disk by `megatron_ext.eval.suites.materialize(NAME)`.
+* ``builtin:NAME``: a built-in suite, materialised on disk by `megatron_ext.eval.suites.materialize(NAME)`;
+* any of these followed by ``#ID``: that one task (as tools/run_episode.py takes ``FILE.jsonl#ID``).
+
+`select_tasks` narrows a suite to ``--filter GLOB`` / ``--task-ids`` (an id that names no task is an error, a glob
+that matches none too: a typo never silently evaluates nothing or everything).
 
 Task ids must be unique across the suite. `suite_statistics` gives the two numbers CursorBench describes itself
 by (REFERENCE.md): the median changed lines of the reference solutions (the tasks' ``metadata.reference_diff_lines``,
@@ -13,6 +17,7 @@ added plus removed lines) and the median instruction length in characters.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 
@@ -52,7 +57,15 @@ def suite_files(path: str) -> list[str]:
 
 
 def load_suite(spec: str) -> list[Task]:
-    """Every task of the suite `spec` names; ids unique."""
+    """Every task of the suite `spec` names (one task with ``#ID``); ids unique."""
+    base, hash_, wanted = spec.rpartition("#") if "#" in spec and not os.path.exists(spec) else (spec, "", "")
+    if hash_:
+        tasks = load_suite(base)
+        picked = [t for t in tasks if t.id == wanted]
+        if not picked:
+            raise TaskError(f"--tasks {spec}: {base} has no task with id {wanted!r} (ids: "
+                            f"{[t.id for t in tasks][:10]}{'...' if len(tasks) > 10 else ''})")
+        return picked
     tasks, where = [], {}
     for path in suite_files(resolve_suite(spec)):
         for task in load_tasks(path):
@@ -61,6 +74,22 @@ def load_suite(spec: str) -> list[Task]:
             where[task.id] = path
             tasks.append(task)
     return tasks
+
+
+def select_tasks(tasks: list[Task], filters=(), ids=()) -> list[Task]:
+    """The tasks whose id matches any of `filters` (fnmatch globs) and, with `ids`, is one of them; suite order."""
+    known = {t.id for t in tasks}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise TaskError(f"--task-ids: no task with id {unknown[:10]} in the suite (see --list)")
+    unmatched = [g for g in filters if not any(fnmatch.fnmatchcase(t.id, g) for t in tasks)]
+    if unmatched:
+        raise TaskError(f"--filter {unmatched[0]!r} matches no task id of the suite (see --list)")
+    picked = [t for t in tasks if (not ids or t.id in ids) and
+              (not filters or any(fnmatch.fnmatchcase(t.id, g) for g in filters))]
+    if not picked:
+        raise TaskError("--filter and --task-ids together select no task (see --list)")
+    return picked
 
 
 def suite_statistics(tasks: list[Task]) -> dict:

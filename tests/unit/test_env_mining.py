@@ -142,7 +142,10 @@ def test_mine_a_git_repository_and_play_the_tasks(tmp_path):
     oracle = [{"name": "edit_file", "arguments": {"path": "mathy/__init__.py",
                                                   "old_text": "    raise NotImplementedError\n", "new_text": body}}]
     config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
-    assert run_episode(mul, ScriptAgent(oracle), config).reward["correctness"] == 1.0
+    played = run_episode(mul, ScriptAgent(oracle), config)
+    assert played.reward["correctness"] == 1.0
+    # one diff measure on both sides: the exact oracle changed as many lines as the reference solution
+    assert played.grading["diff_lines"] == mul.metadata["reference_diff_lines"] == 5  # 4 body lines + the stub
     assert run_episode(mul, ScriptAgent([]), config).reward["correctness"] == 0.0
 
 
@@ -185,5 +188,127 @@ def neg(x):
 
     oracle = [{"name": "write_file", "arguments": {"path": "mathy/__init__.py", "content": feature}}]
     config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
-    assert run_episode(task, ScriptAgent(oracle), config).reward["correctness"] == 1.0
+    played = run_episode(task, ScriptAgent(oracle), config)
+    assert played.reward["correctness"] == 1.0
+    assert played.grading["diff_lines"] == task.metadata["reference_diff_lines"] == 5
     assert run_episode(task, ScriptAgent([]), config).reward["correctness"] == 0.0
+
+
+# ---- issue 28: tabs, reasons for a failing reference, variety, atomic output, one diff measure ----------------
+TABBED = 'class Spec:\n\tdef match(self, path):\n\t\t"""True when path matches."""\n\t\tparts = path.split("/")\n' \
+         '\t\treturn parts[-1].endswith(".py")\n\n\ndef norm(path):\n\tout = path.strip()\n\treturn out.lower()\n'
+SPREAD = {"spread/__init__.py": "",
+          "spread/alpha.py": "def first(x):\n    y = x + 1\n    return y\n\n\ndef second(x):\n    y = x * 2\n"
+                             "    return y\n",
+          "spread/beta.py": TABBED,
+          "tests/test_spread.py": "from spread.alpha import first, second\nfrom spread.beta import Spec, norm\n\n\n"
+                                  "def test_first():\n    assert first(1) == 2\n\n\ndef test_second():\n"
+                                  "    assert second(2) == 4\n\n\ndef test_match():\n    assert Spec().match('a/b.py')"
+                                  "\n\n\ndef test_norm():\n    assert norm(' A ') == 'a'\n"}
+
+
+def _tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def _quiet_miner(**config):
+    from megatron_ext.env.mining import MineConfig, Miner
+    return Miner(MineConfig(**config), log=lambda m: None)
+
+
+def test_delete_body_keeps_tab_indentation(tmp_path):
+    import ast
+
+    from megatron_ext.env.mining import candidates
+    _tree(tmp_path, {"m.py": TABBED})
+    found, _ = candidates(str(tmp_path), ["m.py"], 2)
+    assert [c.qualname for c in found] == ["Spec.match", "norm"]
+    for c in found:
+        deleted = delete_body(TABBED, c)
+        ast.parse(deleted)  # an IndentationError when the stub is indented with spaces
+        assert "\t" * c.qualname.count(".") + "\traise NotImplementedError\n" in deleted
+
+
+def test_failing_reference_names_the_missing_module_and_shows_pytest_output(tmp_path):
+    src = _tree(tmp_path / "needs", {"needs.py": "def f(x):\n    y = x\n    return y\n",
+                                     "test_needs.py": "import not_installed_dep_xyz\nfrom needs import f\n\n\n"
+                                                      "def test_f():\n    assert f(1) == 1\n"})
+    tasks, skipped = _quiet_miner().mine(str(src), str(tmp_path / "out"))
+    assert tasks == [] and len(skipped) == 1
+    reason = skipped[0][1]
+    assert "missing: not_installed_dep_xyz" in reason
+    assert "ModuleNotFoundError: No module named 'not_installed_dep_xyz'" in reason  # pytest's own output
+    (src / "pytest.ini").write_text("[pytest]\naddopts = --cov=needs\n")
+    (src / "test_needs.py").write_text("from needs import f\n\n\ndef test_f():\n    assert f(1) == 1\n")
+    _, skipped = _quiet_miner().mine(str(src), str(tmp_path / "out"))
+    assert "missing: a pytest plugin for --cov" in skipped[0][1] and "unrecognized arguments" in skipped[0][1]
+
+
+def test_per_file_cap_spreads_tasks_over_files_and_tab_indented_code_mines(tmp_path):
+    src = _tree(tmp_path / "spread", SPREAD)
+    tasks, skipped = _quiet_miner(max_tasks=2, max_per_file=1).mine(str(src), str(tmp_path / "out"))
+    assert [t["metadata"]["function"] for t in tasks] == ["spread/alpha.py::first", "spread/beta.py::Spec.match"]
+    assert ("spread/alpha.py::second", "over --max-per-file 1") in skipped
+    stub = open(os.path.join(tmp_path, "out", tasks[1]["repo"], "spread", "beta.py")).read()
+    assert "\t\t\"\"\"True when path matches.\"\"\"\n\t\traise NotImplementedError\n" in stub
+
+
+def test_seed_shuffles_candidates_reproducibly(tmp_path, monkeypatch):
+    from megatron_ext.env.mining import Miner
+    src = _tree(tmp_path / "spread", SPREAD)
+    tried = []
+    monkeypatch.setattr(Miner, "_task", lambda self, ref, c, *a: (tried.append(c.id), (None, "recorded"))[1])
+    reference, real = {}, Miner.run_suite  # only the reference runs here: run it once
+    monkeypatch.setattr(Miner, "run_suite", lambda self, *a: reference.get("r") or reference.setdefault(
+        "r", real(self, *a)))
+
+    def order(seed):
+        tried.clear()
+        _quiet_miner(seed=seed).mine(str(src), str(tmp_path / "out"))
+        return list(tried)
+
+    in_path_order = order(None)
+    assert in_path_order == ["spread/alpha.py::first", "spread/alpha.py::second", "spread/beta.py::Spec.match",
+                             "spread/beta.py::norm"]
+    assert order(3) == order(3) and sorted(order(3)) == sorted(in_path_order)
+    assert any(order(seed) != in_path_order for seed in range(5))
+
+
+def test_a_test_command_that_cannot_start_is_its_own_reason(tmp_path, monkeypatch):
+    from megatron_ext.env import mining
+    real = mining.pytest_command
+    monkeypatch.setattr(mining, "pytest_command", lambda root, args: real(root, args) if "--junitxml" in args
+                        else "no-such-test-runner-xyz " + args)
+    src = _tree(tmp_path / "spread", SPREAD)
+    tasks, skipped = _quiet_miner(max_candidates=1).mine(str(src), str(tmp_path / "out"))
+    assert tasks == []
+    reason = dict(skipped)["spread/alpha.py::first"]
+    assert reason.startswith("the task's test command cannot be started (exit 127)") and "not found" in reason
+
+
+def test_a_failed_mining_run_never_empties_or_creates_the_suite(tmp_path, capsys):
+    import importlib.util
+
+    from megatron_ext.env.mining import write_tasks
+    src = _tree(tmp_path / "untested", {"m.py": "def f():\n    return 1\n"})
+    out = tmp_path / "suite.jsonl"
+    out.write_text('{"kept": true}\n')
+    spec = importlib.util.spec_from_file_location("mine_tasks", os.path.join(ROOT, "tools", "mine_tasks.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for existing in (True, False):
+        assert tool.main([str(src), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "was not written" in err
+        if existing:
+            assert out.read_text() == '{"kept": true}\n' and "existing file is unchanged" in err
+            out.unlink()
+        else:
+            assert not out.exists()
+    with pytest.raises(ValueError, match="no tasks to write"):
+        write_tasks(str(out), [])
+    assert not out.exists() and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

@@ -84,7 +84,7 @@ def test_materialize_mines_verified_tasks(built):
     assert [t.id for t in tasks] == ["texty-0.1:texty.py::shout", "texty-0.1:texty.py::count_words"]
     shout = tasks[0]
     assert shout.metadata["fail_to_pass"] == ["tests/test_texty.py::test_shout"]
-    assert shout.metadata["reference_diff_lines"] == 2
+    assert shout.metadata["reference_diff_lines"] == 3  # episode.diff_lines: the stub out, two body lines in
     assert "raise NotImplementedError" in open(os.path.join(shout.repo, "texty.py")).read()
     assert not os.path.exists(os.path.join(shout.repo, "tests"))
     assert os.path.isfile(os.path.join(shout.hidden_tests, "tests", "test_texty.py"))
@@ -102,7 +102,9 @@ def test_built_suite_runs_through_the_episode_code(built, tmp_path):
     oracle = [{"name": "edit_file", "arguments": {"path": "texty.py", "old_text": "    raise NotImplementedError\n",
                                                   "new_text": body}}]
     config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
-    assert run_episode(shout, ScriptAgent(oracle), config).reward["correctness"] == 1.0
+    played = run_episode(shout, ScriptAgent(oracle), config)
+    assert played.reward["correctness"] == 1.0
+    assert played.grading["diff_lines"] == shout.metadata["reference_diff_lines"]  # ratio 1.0 for the oracle
     assert run_episode(shout, ScriptAgent([]), config).reward["correctness"] == 0.0
 
 
@@ -133,13 +135,13 @@ def test_same_inputs_same_tasks(built, local, tmp_path):
 
 def test_statistics(built):
     stats = suites.statistics_of(built[1])
-    assert stats["packages"] == {"texty-0.1": {"tasks": 2, "median_changed_lines": 2,
+    assert stats["packages"] == {"texty-0.1": {"tasks": 2, "median_changed_lines": 3,
                                                "median_instruction_chars": stats["overall"]["median_instruction_chars"]}}
     tasks = [json.loads(line) for line in open(built[1])]
     assert stats["overall"]["median_instruction_chars"] == sum(len(t["instruction"]) for t in tasks) / 2
     assert stats["cursorbench"] == {"median_changed_lines": 181, "median_instruction_chars": 390}
     table = suites.markdown("texty", stats)
-    assert "| texty-0.1 | 2 | 2 |" in table and "| CursorBench (report) | - | 181 | 390 |" in table
+    assert "| texty-0.1 | 2 | 3 |" in table and "| CursorBench (report) | - | 181 | 390 |" in table
 
 
 def test_wrong_file_is_refused(local, tmp_path):
