@@ -783,3 +783,13 @@ def _kind(mode: int) -> str:
     return "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else \
         "a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
         "a special file"
+
+
+def sandbox_line(config: BubblewrapConfig) -> str:
+    """The start-up line: which limits and protections hold on this machine, found by starting an empty sandbox
+    (raises SandboxError, naming what cannot be enforced, unless config.allow_weaker)."""
+    with BubblewrapSandbox(None, config) as box:
+        line = "sandbox: enforced " + ", ".join(box.enforced)
+        if box.missing:
+            line += "; NOT enforced (--env-allow-weaker-sandbox): " + "; ".join(box.missing)
+    return line
