@@ -31,8 +31,10 @@ def test_planted_secret_is_not_visible_inside(monkeypatch, tmp_path):
     with BubblewrapSandbox(None, BubblewrapConfig(limits=FAST, base_dir=str(tmp_path / "b"))) as box:
         r = box.exec("env; echo ---; tr '\\0' '\\n' < /proc/1/environ; echo ---; tr '\\0' '\\n' < /proc/self/environ; "
                      "for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ; done 2>/dev/null; echo end")
+        init = box.exec("tr '\\0' '\\n' < /proc/1/environ")
     assert "end" in r.output and "PATH=" in r.output, r.describe()  # environments were read
     assert "hf_planted_secret_value" not in r.output and "PLANTED_HF_TOKEN" not in r.output
+    assert init.ok and set(init.output.split()) <= {"PWD=/"}, init.output  # bwrap (PID 1) got nothing of ours
 
 
 @pytest.mark.skipif(not ROOT, reason="root-only files matter when the trainer runs as root")
