@@ -12,7 +12,9 @@ infrastructure error.
 from __future__ import annotations
 
 import collections
+import contextlib
 import difflib
+import errno
 import hashlib
 import os
 import stat
@@ -32,10 +34,25 @@ class WalkLimits:
     max_depth: int = 64                # folders below the root
     max_entries: int = 200_000         # files, links, folders and other entries in all
     max_file_bytes: Optional[int] = 4 << 20   # larger files are hashed, not held (None: hold every file)
+    max_held_bytes: Optional[int] = 64 << 20  # file contents a snapshot holds in all; past it files are hashed
 
 
 AGENT = WalkLimits()
-TRUSTED = WalkLimits(max_depth=10_000, max_entries=10_000_000, max_file_bytes=None)  # a task's own repository
+TRUSTED = WalkLimits(max_depth=10_000, max_entries=10_000_000, max_file_bytes=None,
+                     max_held_bytes=None)  # a task's own repository
+
+
+@contextlib.contextmanager
+def agent_content(what: str):
+    """Turn OS errors that the workspace's content causes (a full disk, a file made unreadable) into
+    WorkspaceError: the agent's doing, scored as a wrong answer."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP,
+                       errno.ENXIO, errno.EFBIG):
+            raise WorkspaceError(f"{what}: {e.strerror} ({e.filename})") from None
+        raise
 
 
 def walk(folder: str, limits: WalkLimits = AGENT, skip_top_git: bool = True) -> Iterator[tuple[str, os.stat_result]]:
@@ -46,7 +63,8 @@ def walk(folder: str, limits: WalkLimits = AGENT, skip_top_git: bool = True) -> 
         rel, depth = stack.pop()
         path = os.path.join(folder, rel) if rel else folder
         try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
+            with agent_content("listing the workspace"):
+                entries = sorted(os.scandir(path), key=lambda e: e.name)
         except (NotADirectoryError, FileNotFoundError):
             continue
         for entry in entries:
@@ -87,17 +105,20 @@ def _open_regular(path: str):
 def snapshot(folder: str, limits: WalkLimits = AGENT) -> dict[str, tuple]:
     """relative path -> ("file", bytes) | ("big", size, sha256) | ("link", target) | ("special", kind) of every
     non-folder entry under folder except the top .git; files over limits.max_file_bytes are hashed, not held."""
-    out = {}
+    out, held = {}, 0
     for rel, st in walk(folder, limits):
         path = os.path.join(folder, rel)
         if stat.S_ISLNK(st.st_mode):
             out[rel] = ("link", os.readlink(path))
         elif stat.S_ISREG(st.st_mode):
-            if limits.max_file_bytes is not None and st.st_size > limits.max_file_bytes:
-                out[rel] = ("big", st.st_size, _digest(path))
-            else:
-                with _open_regular(path) as f:
-                    out[rel] = ("file", f.read())
+            with agent_content(f"reading {rel}"):
+                if (limits.max_file_bytes is not None and st.st_size > limits.max_file_bytes) or \
+                        (limits.max_held_bytes is not None and held + st.st_size > limits.max_held_bytes):
+                    out[rel] = ("big", st.st_size, _digest(path))
+                else:
+                    with _open_regular(path) as f:
+                        out[rel] = ("file", f.read())
+                    held += len(out[rel][1])
         elif not stat.S_ISDIR(st.st_mode):
             out[rel] = ("special", "fifo" if stat.S_ISFIFO(st.st_mode) else
                         "socket" if stat.S_ISSOCK(st.st_mode) else "device")
@@ -218,6 +239,11 @@ def copy_tree(source: str, dest: str, limits: WalkLimits = AGENT, owner: Optiona
     """Copy folder source into the existing folder dest: folders, regular files (content and mode) and symlinks
     (never followed); FIFOs, sockets and devices are left out; .git folders are skipped. owner=(uid, gid) makes
     every copied entry theirs (the sandbox's unprivileged host user)."""
+    with agent_content("copying the workspace"):
+        _copy_tree(source, dest, limits, owner, skip_git)
+
+
+def _copy_tree(source: str, dest: str, limits: WalkLimits, owner: Optional[tuple], skip_git: bool):
     for rel, st in walk(source, limits, skip_top_git=False):
         if skip_git and ".git" in rel.split(os.sep):
             continue
@@ -267,14 +293,15 @@ def clear_path(root: str, rel: str) -> str:
 
 
 def _restore(workspace: str, rel: str, entry):
-    path = clear_path(workspace, rel)
-    if entry is None or entry[0] not in ("file", "link"):
-        return
-    if entry[0] == "link":
-        os.symlink(entry[1], path)
-    else:
-        with open(path, "wb") as f:
-            f.write(entry[1])
+    with agent_content(f"restoring {rel}"):  # a workspace the agent filled to its disk limit
+        path = clear_path(workspace, rel)
+        if entry is None or entry[0] not in ("file", "link"):
+            return
+        if entry[0] == "link":
+            os.symlink(entry[1], path)
+        else:
+            with open(path, "wb") as f:
+                f.write(entry[1])
 
 
 def overlay(folder: str, workspace: str):

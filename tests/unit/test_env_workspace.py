@@ -145,3 +145,21 @@ def test_diff_lines_is_bounded_in_time():
     assert diff_lines(old, new) == 150_002  # difflib took 120 s for a tenth of this
     assert diff_lines("", "\n" * 300_000) == 300_000
     assert time.monotonic() - start < 3.0
+
+
+def test_a_workspace_filled_to_its_disk_limit_scores_wrong(tmp_path, task):
+    small = EpisodeConfig(sandbox=BubblewrapConfig(limits=Limits(cpu_s=30, wall_s=60.0, memory_bytes=1 << 30,
+                                                                 processes=64, disk_bytes=8 << 20),
+                                                   base_dir=str(tmp_path / "boxes")))
+    fill = {"name": "run_command", "arguments": {"command": "head -c 20000000 /dev/zero > fill; df -k ."}}
+    result = run_episode(task, ScriptAgent(ORACLE[:-1] + [fill]), small)  # used to fail with OSError: not counted
+    assert result.reward["correctness"] == 0.0
+    assert "No space left on device" in result.grading["output"], result.grading["output"]
+    assert os.listdir(tmp_path / "boxes") == []
+
+
+def test_snapshots_hold_at_most_max_held_bytes(tmp_path):
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(bytes([i]) * 1000)
+    shot = snapshot(str(tmp_path), WalkLimits(max_held_bytes=2500))
+    assert [shot[f"f{i}"][0] for i in range(5)] == ["file", "file", "big", "big", "big"]
