@@ -81,7 +81,7 @@ def test_ptrace_of_pid_1_and_other_kernel_interfaces_are_refused(box):
                                      "bpf -1 Operation not permitted"]
 
 
-MEMORY_HOG = ("for i in 1 2 3 4; do python -c 'import time; b = b\"x\" * (300 << 20); time.sleep(3); "
+MEMORY_HOG = ("for i in 1 2 3 4; do python -c 'import time; b = b\"x\" * (300 << 20); time.sleep(6); "
               "print(\"held\", len(b))' & done; wait; echo end")
 
 
