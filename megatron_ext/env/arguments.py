@@ -7,10 +7,11 @@ it to `megatron_ext.arguments.parse_args(extra=(add_env_args,))`); `episode_conf
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_ext.env.episode import EpisodeConfig
 from megatron_ext.env.rewards import WeightFile, override_weights
-from megatron_ext.env.sandbox import BubblewrapConfig, Limits
+from megatron_ext.env.sandbox import BubblewrapConfig, Limits, sandbox_line
 
 
 def add_env_args(parser: argparse.ArgumentParser):
@@ -21,26 +22,45 @@ def add_env_args(parser: argparse.ArgumentParser):
                    help="override one reward weight (repeatable), e.g. --env-reward-weight style=-0.05")
     g.add_argument("--env-summarize-at", type=int, default=None,
                    help="context tokens past which the agent summarises and continues from the summary")
-    g.add_argument("--env-memory-gb", type=float, default=4.0, help="address-space limit of sandboxed processes")
-    g.add_argument("--env-max-processes", type=int, default=256, help="process limit of a sandbox")
+    g.add_argument("--env-memory-gb", type=float, default=4.0,
+                   help="memory total of a sandbox's processes (cgroup; also each process's address-space limit); "
+                        "files the workspace holds count toward it (the workspace is a tmpfs)")
+    g.add_argument("--env-disk-gb", type=float, default=4.0,
+                   help="disk total of an episode's workspace plus /tmp (a size-bounded tmpfs); 0: unbounded")
+    g.add_argument("--env-cpus", type=float, default=2.0,
+                   help="CPU bandwidth of a sandbox in cores, all its processes together (cgroup); 0: unbounded")
+    g.add_argument("--env-max-processes", type=int, default=256, help="process limit of a sandbox (pids cgroup)")
     g.add_argument("--env-cpu-s", type=int, default=120, help="CPU-seconds limit of each sandboxed process")
+    g.add_argument("--env-allow-weaker-sandbox", action="store_true",
+                   help="start sandboxes even when a configured limit or protection cannot be enforced on this "
+                        "machine (no cgroup controller, not root for the tmpfs, no libseccomp); the start-up line "
+                        "says which hold")
     g.add_argument("--env-output-kb", type=int, default=1024, help="captured output of one command, in KiB")
     g.add_argument("--env-sandbox-dir", default=None, help="host folder for sandbox copies (default: temp dir)")
 
 
-def episode_config(args: argparse.Namespace, step: int = 0) -> EpisodeConfig:
-    """The EpisodeConfig the flags describe; raises ValueError naming the flag on a bad value."""
+def episode_config(args: argparse.Namespace, step: int = 0, check_sandbox: bool = True) -> EpisodeConfig:
+    """The EpisodeConfig the flags describe; raises ValueError naming the flag on a bad value. check_sandbox:
+    start one sandbox now and print the start-up line saying which limits hold (SandboxError, naming the flags,
+    when one cannot be enforced and --env-allow-weaker-sandbox is not given)."""
     for flag, value in (("--env-memory-gb", args.env_memory_gb), ("--env-max-processes", args.env_max_processes),
                         ("--env-cpu-s", args.env_cpu_s), ("--env-output-kb", args.env_output_kb)):
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in (("--env-disk-gb", args.env_disk_gb), ("--env-cpus", args.env_cpus)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: unbounded), got {value}")
     if args.env_summarize_at is not None and args.env_summarize_at <= 0:
         raise ValueError(f"--env-summarize-at must be positive, got {args.env_summarize_at}")
     weights = override_weights(WeightFile(args.env_reward_weights).current(step), args.env_reward_weight)
     limits = Limits(cpu_s=args.env_cpu_s, memory_bytes=int(args.env_memory_gb * (1 << 30)),
-                    processes=args.env_max_processes, output_bytes=args.env_output_kb << 10)
-    return EpisodeConfig(sandbox=BubblewrapConfig(limits=limits, base_dir=args.env_sandbox_dir), weights=weights,
-                         summarize_at=args.env_summarize_at)
+                    processes=args.env_max_processes, output_bytes=args.env_output_kb << 10,
+                    disk_bytes=int(args.env_disk_gb * (1 << 30)), cpus=args.env_cpus)
+    sandbox = BubblewrapConfig(limits=limits, base_dir=args.env_sandbox_dir,
+                               allow_weaker=args.env_allow_weaker_sandbox)
+    if check_sandbox:
+        print(sandbox_line(sandbox), file=sys.stderr, flush=True)
+    return EpisodeConfig(sandbox=sandbox, weights=weights, summarize_at=args.env_summarize_at)
 
 
 def add_swarm_args(parser: argparse.ArgumentParser):

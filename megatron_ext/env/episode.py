@@ -18,12 +18,10 @@ any other ending (so counted as wrong unless the work was done), not an infrastr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,8 @@ from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, score
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
+from megatron_ext.env.workspace import (TRUSTED, WorkspaceError, _restore, _text, changed_paths,  # noqa: F401
+                                        clear_path, diff_lines, overlay, snapshot)
 
 SYSTEM_PROMPT = (
     "You are a coding agent. The repository is at /workspace (your working directory); there is no network. "
@@ -114,86 +114,6 @@ def _normalise(message, call_index: int) -> dict:
     return out
 
 
-def snapshot(folder: str) -> dict[str, tuple]:
-    """relative path -> ("file", bytes) | ("link", target) of everything under folder except .git."""
-    out = {}
-    for base, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if d != ".git" or base != folder]
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
-            path = os.path.join(base, name)
-            rel = os.path.relpath(path, folder)
-            if os.path.islink(path):
-                out[rel] = ("link", os.readlink(path))
-            elif os.path.isfile(path):
-                with open(path, "rb") as f:
-                    out[rel] = ("file", f.read())
-    return out
-
-
-def changed_paths(before: dict, after: dict) -> list[str]:
-    """Paths added, removed or changed between two snapshots."""
-    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
-
-
-def diff_lines(old: str, new: str) -> int:
-    """Lines a unified diff of old -> new adds plus lines it removes (how mined tasks count reference_diff_lines)."""
-    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(), autojunk=False)
-    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal")
-
-
-def _text(entry) -> Optional[str]:
-    if entry is None:
-        return ""
-    if entry[0] != "file" or b"\0" in entry[1][:8192]:
-        return None
-    try:
-        return entry[1].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def clear_path(root: str, rel: str) -> str:
-    """The host path of root/rel, made safe to write as a regular file: any symlink or file standing where a folder
-    of the path should be, and whatever occupies the path itself, is removed first. Host-side writes into a
-    workspace the agent shaped (restoring files, laying hidden tests over it) go through here, so a symlink the
-    agent planted can never redirect them outside the workspace."""
-    parts = os.path.normpath(rel).split(os.sep)
-    if os.path.isabs(rel) or ".." in parts:
-        raise ValueError(f"{rel}: not a path inside the workspace")
-    current = root
-    for name in parts[:-1]:
-        current = os.path.join(current, name)
-        if os.path.islink(current) or (os.path.exists(current) and not os.path.isdir(current)):
-            os.unlink(current)
-        if not os.path.exists(current):
-            os.mkdir(current)
-    path = os.path.join(current, parts[-1])
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):  # a FIFO, socket or device node
-        os.unlink(path)
-    return path
-
-
-def _restore(workspace: str, rel: str, entry):
-    path = clear_path(workspace, rel)
-    if entry is None:
-        return
-    if entry[0] == "link":
-        os.symlink(entry[1], path)
-    else:
-        with open(path, "wb") as f:
-            f.write(entry[1])
-
-
-def overlay(folder: str, workspace: str):
-    """Copy every file under folder into workspace at the same relative path (see clear_path)."""
-    for rel, entry in sorted(snapshot(folder).items()):
-        _restore(workspace, rel, entry)
-
-
 class Session:
     """One episode driven step by step: `messages` so far, `apply(reply)` runs a reply's tool calls, `finish()`
     grades and scores (and frees the sandbox). The agent loop (`run_episode`) and the token-level wrapper for RL
@@ -222,11 +142,11 @@ class Session:
         self.box = BubblewrapSandbox(task.repo, self.config.sandbox)
         try:
             if os.path.isdir(task.repo):
-                self.pristine = snapshot(task.repo)
+                self.pristine = snapshot(task.repo, TRUSTED)
             else:
                 with tempfile.TemporaryDirectory(prefix="megatron-env-pristine-") as folder:
                     copy_source(task.repo, folder)
-                    self.pristine = snapshot(folder)
+                    self.pristine = snapshot(folder, TRUSTED)
         except BaseException:
             self.box.close()
             raise
@@ -289,7 +209,10 @@ class Session:
         """Close the segment with the agent's summary; the next conversation starts from it and the task state."""
         self.segments.append(self.messages)
         self.summarizing, self.restarted = False, True
-        changed = changed_paths(self.pristine, snapshot(self.box.workspace))
+        try:
+            changed = changed_paths(self.pristine, snapshot(self.box.workspace))
+        except WorkspaceError as e:
+            changed = [f"(the workspace cannot be listed: {e})"]
         todos = "\n".join(f"{t.id}. [{'x' if t.done else ' '}] {t.item}" for t in self.toolbox.todos) or "(empty)"
         state = (f"{self.task.instruction}\n\n## Summary of your work so far\n"
                  f"{truncate(summary.strip() or '(no summary given)', self.config.summary_chars)}\n\n"
@@ -314,7 +237,10 @@ class Session:
             final_message = self.toolbox.finished
             if final_message is None and self.status == "no_tool_calls":
                 final_message = self.messages[-1]["content"]  # a plain reply ends the episode and is its message
-            grading, facts = self._grade(final_message)
+            try:
+                grading, facts = self._grade(final_message)
+            except WorkspaceError as e:  # the agent's workspace broke host-side grading: a wrong answer
+                grading, facts = self._ungradable(e, final_message)
         finally:
             self.close()
         result = score(facts, self.config.weights or DEFAULT_WEIGHTS)
@@ -325,6 +251,31 @@ class Session:
 
     def close(self):
         self.box.close()
+
+    def _counts(self, messages: list[dict]) -> dict:
+        count = self.config.count_tokens
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        return {
+            "thinking_tokens": sum(count(m.get("reasoning_content", "")) for m in assistant),
+            "tool_call_tokens": sum(count(c["function"]["name"] + c["function"]["arguments"])
+                                    for m in assistant for c in m.get("tool_calls", [])),
+            "tool_output_tokens": sum(count(m["content"]) for m in messages if m["role"] == "tool"),
+            "message_tokens": sum(count(m["content"]) for m in assistant),
+            "tool_calls": len(self.toolbox.calls),
+            "turns": len(assistant),
+        }
+
+    def _ungradable(self, error: WorkspaceError, final_message: Optional[str]):
+        """Grading of a workspace whose content the host refuses to handle (too deep, too many entries): the
+        episode is scored wrong and counted, like any failed attempt."""
+        messages = self.all_messages()
+        grading = {"exit_code": None, "killed": None, "wall_s": 0.0, "output": f"ungradable workspace: {error}",
+                   "changed_files": [], "forbidden_edits": [], "diff_lines": 0, "error": str(error)}
+        facts = EpisodeFacts(test_exit_code=None, test_output=grading["output"], final_message=final_message,
+                             calls=[(c.name, c.arguments) for c in self.toolbox.calls],
+                             invalid_calls=self.toolbox.invalid_calls, unfinished_todos=self.toolbox.unfinished_todos,
+                             counts=self._counts(messages))
+        return grading, facts
 
     def _grade(self, final_message: Optional[str]):
         box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
@@ -351,21 +302,10 @@ class Session:
         grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
                    "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden,
                    "diff_lines": sum(diff_lines(old, new) for old, new in changes.values())}
-        count = self.config.count_tokens
-        assistant = [m for m in messages if m["role"] == "assistant"]
-        counts = {
-            "thinking_tokens": sum(count(m.get("reasoning_content", "")) for m in assistant),
-            "tool_call_tokens": sum(count(c["function"]["name"] + c["function"]["arguments"])
-                                    for m in assistant for c in m.get("tool_calls", [])),
-            "tool_output_tokens": sum(count(m["content"]) for m in messages if m["role"] == "tool"),
-            "message_tokens": sum(count(m["content"]) for m in assistant),
-            "tool_calls": len(toolbox.calls),
-            "turns": len(assistant),
-        }
         facts = EpisodeFacts(test_exit_code=r.exit_code, test_output=r.output, changes=changes,
                              final_message=final_message, calls=[(c.name, c.arguments) for c in toolbox.calls],
                              invalid_calls=toolbox.invalid_calls, unfinished_todos=toolbox.unfinished_todos,
-                             forbidden_edits=forbidden, counts=counts)
+                             forbidden_edits=forbidden, counts=self._counts(messages))
         return grading, facts
 
 

@@ -5,7 +5,9 @@ read_file (line ranges), list_dir, grep (regex, globs), edit_file (exact search/
 run_command, todo (add/complete/list) and finish(message). Every call is validated strictly (a JSON object with
 exactly the declared fields and types); a malformed or invalid call returns an ``error: ...`` observation, is
 recorded as invalid, and never raises. Observations longer than the limit keep their head and tail around a
-``[... N characters truncated ...]`` marker.
+``[... N characters truncated ...]`` marker. Files are read on the host side, so only regular files up to
+`ToolLimits.read_bytes` are opened: a FIFO, socket or device the agent made is refused with an error observation
+instead of blocking the trainer.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ToolLimits:
     read_lines: int = 400             # most lines read_file returns at once
     command_timeout_s: float = 60.0   # run_command's default and maximum timeout
     list_entries: int = 500
+    read_bytes: int = 8 << 20         # largest file read_file/edit_file load into the host process
 
 
 @dataclass
@@ -162,7 +165,7 @@ class Toolbox:
         return sum(not t.done for t in self.todos)
 
     def _text(self, path: str) -> str:
-        data = self.sandbox.read_file(path)
+        data = self.sandbox.read_file(path, max_bytes=self.limits.read_bytes)
         if b"\0" in data[:8192]:
             raise ToolError(f"{path}: binary file")
         return data.decode("utf-8", "replace")
