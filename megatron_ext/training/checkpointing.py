@@ -127,8 +127,29 @@ def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: 
     return state
 
 
+@contextlib.contextmanager
+def params_gathered(model):
+    """Every rank's parameters hold the last step's update: with --overlap-param-gather the distributed optimizer
+    updates only this rank's shard and leaves the all-gather to the next forward's hooks, so weights read right
+    after a step mix updated and one-step-stale shards. As Megatron-LM around its saves: gather synchronously with
+    the hooks off, put them back afterwards."""
+    chunks = [c for c in model if getattr(c, "use_forward_hook", False)]
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
+
+
 def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, scheduler, extra: dict | None = None):
     """Save atomically under args.save; every rank calls this."""
+    with params_gathered(model):
+        _save_checkpoint(args, iteration, model, optimizer, scheduler, extra)
+
+
+def _save_checkpoint(args, iteration, model, optimizer, scheduler, extra):
     root = args.save
     final, tmp = checkpoint_dir(root, iteration), checkpoint_dir(root, iteration) + ".tmp"
     rank = dist.get_rank()
