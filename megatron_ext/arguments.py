@@ -456,12 +456,13 @@ def validate_args(args: argparse.Namespace):
         _fail(f"--mtp-num-layers must be >= 0, got {arch.mtp_num_layers}")
     if arch.rope_type not in ("rope", "yarn"):
         _fail(f"--position-embedding-type {arch.rope_type!r}: MLA supports 'rope' and 'yarn'")
-    if args.fp8_format and not platform.te_available():
+    here = not getattr(args, "dry_run", False)  # a dry run checks flags meant for another machine, not this one
+    if here and args.fp8_format and not platform.te_available():
         _fail(f"--fp8-format {args.fp8_format} needs Transformer Engine on a CUDA GPU; drop --fp8-format "
               "on this machine")
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         _fail("--fp8-format needs --transformer-impl transformer_engine")
-    if args.transformer_impl == "transformer_engine" and not platform.te_available():
+    if here and args.transformer_impl == "transformer_engine" and not platform.te_available():
         _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
               "--transformer-impl local")
     gpu.validate_gpu_args(args, _fail)

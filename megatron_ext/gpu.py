@@ -48,13 +48,15 @@ def add_gpu_args(parser: argparse.ArgumentParser):
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last pipeline stage, which also holds the output layer and MTP layers")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="accumulate weight gradients outside the GEMM (fused by default with Transformer Engine)")
+                   help="accumulate weight gradients outside the GEMM (fused by default with Transformer Engine "
+                        "when apex's fused_weight_gradient_mlp_cuda kernel imports)")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="unfused SwiGLU (fused by default on a GPU)")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
                    help="unfused residual dropout-add (fused by default on a GPU)")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
-                   help="unfused rotary embedding (fused by default with Transformer Engine)")
+                   help="unfused rotary embedding (fused by default with Transformer Engine for YaRN presets: "
+                        "Megatron-Core's fused MLA RoPE exists only for YaRN)")
 
 
 def compute_capability() -> Optional[tuple[int, int]]:
@@ -118,6 +120,11 @@ def validate_gpu_args(args: argparse.Namespace, fail, capability: Optional[tuple
     if args.fp8_format and args.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & modules:
         fail("--recompute-modules moe_act/layernorm do not work with --fp8-recipe delayed; use tensorwise, "
              "blockwise or mxfp8")
+    if args.transformer_impl == "local" and args.context_parallel_size > 1 and "mla_up_proj" in modules:
+        fail(f"--recompute-modules mla_up_proj with --context-parallel-size {args.context_parallel_size} needs "
+             "--transformer-impl transformer_engine: the local backend's context-parallel MLA up-projects the "
+             "gathered KV latent itself and cannot recompute it; drop mla_up_proj from --recompute-modules "
+             "(or use Transformer Engine)")
     if args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
         fail("--moe-grouped-gemm needs --transformer-impl transformer_engine (Transformer Engine's grouped GEMM); "
              "drop it on this machine")
@@ -161,8 +168,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     out = dict(
         bias_activation_fusion=gpu and getattr(args, "bias_swiglu_fusion", True),
         bias_dropout_fusion=gpu and getattr(args, "bias_dropout_fusion", True),
-        apply_rope_fusion=te and getattr(args, "rope_fusion", True),
-        gradient_accumulation_fusion=te and getattr(args, "gradient_accumulation_fusion", True),
+        apply_rope_fusion=rope_fusion(args, te),
+        gradient_accumulation_fusion=gradient_accumulation_fusion(args, te),
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
@@ -174,6 +181,36 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     if args.fp8_format and args.arch.num_experts:
         out["moe_router_padding_for_fp8"] = True  # expert token counts padded to FP8 GEMM alignment
     return out
+
+
+def rope_fusion(args: argparse.Namespace, te: bool) -> bool:
+    """TE's fused RoPE where Megatron-Core has one: MLATransformerConfig refuses it for MLA without YaRN (Kimi
+    Linear's position-free / plain-RoPE MLA), and the local backend has no fused kernel to call."""
+    return te and getattr(args, "rope_fusion", True) and args.arch.rope_type == "yarn"
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str):
+    import torch.distributed as dist
+
+    if line not in _SAID and (not dist.is_initialized() or dist.get_rank() == 0):
+        _SAID.add(line)
+        print(f"megatron_ext: {line}", flush=True)
+
+
+def gradient_accumulation_fusion(args: argparse.Namespace, te: bool) -> bool:
+    """Fused weight-gradient accumulation only where every linear can run it: TE's modules fuse on their own, but
+    the output layer is Megatron's ColumnParallelLinear, which needs apex's kernel (as Megatron-LM, switched off
+    with a line when it does not import)."""
+    if not (te and getattr(args, "gradient_accumulation_fusion", True)):
+        return False
+    if not platform.grad_accum_fusion_kernel():
+        _say_once("gradient-accumulation fusion off: apex's fused_weight_gradient_mlp_cuda does not import "
+                  "(Megatron's output layer needs it; install apex with --cpp_ext --cuda_ext to turn it on)")
+        return False
+    return True
 
 
 def ddp_config_kwargs(args: argparse.Namespace) -> dict:
