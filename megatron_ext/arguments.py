@@ -192,6 +192,21 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser):
                    help="take the architecture from the --load checkpoint (e.g. one made by "
                         "tools/convert_checkpoint.py import); other architecture flags still override it")
     _add_checkpoint_safety_args(g)
+    _add_checkpoint_format_args(g)
+
+
+def _add_checkpoint_format_args(g):
+    """Megatron-LM's checkpoint-format flags and defaults (issue 27 item 9)."""
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state per parameter, loadable under any TP/PP/EP/DP, by "
+                        "gathering each data-parallel group's state on one rank at every save (default: "
+                        "dp_reshardable, each rank writes its own buffer shards; only the DP size may change)")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="let the first data-parallel replica write all of its shards instead of spreading the "
+                        "writes over every data-parallel rank")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each data-parallel rank reads a part of the checkpoint and the ranks exchange the rest "
+                        "(fewer reads of shared storage on large runs)")
 
 
 def _add_checkpoint_safety_args(g):
