@@ -88,8 +88,9 @@ def _add_model_args(parser: argparse.ArgumentParser):
                    help="separate output layer (default: from --model)")
     g.add_argument("--mla-nope", action=argparse.BooleanOptionalAction, default=None,
                    help="MLA layers without positional encoding, as in Kimi Linear (default: from --model)")
-    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"],
-                   help="how tokens reach their experts under expert parallelism")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall", "flex"],
+                   help="how tokens reach their experts under expert parallelism (flex: DeepEP / HybridEP kernels, "
+                        "--moe-flex-dispatcher-backend)")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="grouped GEMM experts (GPU)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="step size of the expert-bias update")

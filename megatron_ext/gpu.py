@@ -54,6 +54,18 @@ def add_gpu_args(parser: argparse.ArgumentParser):
                    help="unfused SwiGLU (fused by default on a GPU)")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
                    help="unfused residual dropout-add (fused by default on a GPU)")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Transformer Engine's fused token permute/unpermute in the MoE dispatcher")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="run the shared expert on a side stream while the alltoall dispatcher moves tokens")
+    g.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"],
+                   help="kernels of --moe-token-dispatcher-type flex (the deep_ep package, or hybrid_ep)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fused vocabulary-parallel cross-entropy for the LM loss")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+                   help="which fused cross-entropy: Megatron-Core's own or Transformer Engine's")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap tensor-parallel communication with GEMMs (refused: see the message)")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="unfused rotary embedding (fused by default with Transformer Engine for YaRN presets: "
                         "Megatron-Core's fused MLA RoPE exists only for YaRN)")
@@ -125,6 +137,28 @@ def validate_gpu_args(args: argparse.Namespace, fail, capability: Optional[tuple
              "--transformer-impl transformer_engine: the local backend's context-parallel MLA up-projects the "
              "gathered KV latent itself and cannot recompute it; drop mla_up_proj from --recompute-modules "
              "(or use Transformer Engine)")
+    if getattr(args, "tp_comm_overlap", False):
+        fail("--tp-comm-overlap does nothing for MLA models in Megatron-Core 0.16.1: Transformer Engine's userbuffers "
+             "exist only for qkv/proj/fc1/fc2, and the first MLA projection (q_down_proj) switches the model's "
+             "tp_comm_overlap off; drop the flag")
+    te_only = [flag for flag, on in (("--moe-permute-fusion", getattr(args, "moe_permute_fusion", False)),
+                                     ("--cross-entropy-fusion-impl te", getattr(args, "cross_entropy_loss_fusion", False)
+                                      and getattr(args, "cross_entropy_fusion_impl", "native") == "te")) if on]
+    if te_only and args.transformer_impl != "transformer_engine":
+        fail(f"{te_only[0]} needs --transformer-impl transformer_engine (a Transformer Engine kernel); drop it on "
+             "this machine")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "alltoall")
+    if getattr(args, "moe_shared_expert_overlap", False) and dispatcher != "alltoall":
+        fail(f"--moe-shared-expert-overlap works with --moe-token-dispatcher-type alltoall only, not {dispatcher}")
+    if getattr(args, "moe_shared_expert_overlap", False) and "shared_experts" in modules:
+        fail("--moe-shared-expert-overlap cannot be combined with --recompute-modules shared_experts")
+    if dispatcher == "flex":
+        package = {"deepep": "deep_ep", "hybridep": "hybrid_ep"}[args.moe_flex_dispatcher_backend]
+        if args.transformer_impl != "transformer_engine":
+            fail("--moe-token-dispatcher-type flex needs --transformer-impl transformer_engine")
+        if not getattr(args, "dry_run", False) and not platform.module_importable(package):
+            fail(f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+                 f"{args.moe_flex_dispatcher_backend} needs the {package} package on this machine; use alltoall")
     if args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
         fail("--moe-grouped-gemm needs --transformer-impl transformer_engine (Transformer Engine's grouped GEMM); "
              "drop it on this machine")
@@ -176,6 +210,12 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
     )
+    out.update(cross_entropy_loss_fusion=gpu and getattr(args, "cross_entropy_loss_fusion", False),
+               cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"))
+    if args.arch.num_experts:
+        out.update(moe_permute_fusion=te and getattr(args, "moe_permute_fusion", False),
+                   moe_shared_expert_overlap=getattr(args, "moe_shared_expert_overlap", False),
+                   moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", "deepep"))
     if getattr(args, "recompute_granularity", None) == "selective":
         out["recompute_modules"] = list(args.recompute_modules or ["core_attn"])
     if args.fp8_format and args.arch.num_experts:

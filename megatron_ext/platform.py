@@ -50,6 +50,10 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def module_importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 def apex_installed() -> bool:
     return importlib.util.find_spec("apex") is not None
 

@@ -38,6 +38,10 @@ def test_flag_file_parses(path):
     assert args.stage == stage
     if family == "kimi-k2.5":
         assert args.arch.num_experts == 384 and args.context_parallel_size >= 2
+        # the fast paths Megatron-Core 0.16.1 has for this model (issue 27 item 8)
+        assert args.transformer_impl == "transformer_engine"
+        assert args.moe_grouped_gemm and args.moe_permute_fusion and args.moe_shared_expert_overlap
+        assert args.cross_entropy_loss_fusion and args.moe_token_dispatcher_type == "alltoall"
 
 
 @pytest.mark.parametrize("path", K25, ids=os.path.basename)
