@@ -491,6 +491,20 @@ def serving_memory(model: ModelPreset, tp: int, pp: int, ep: int, batch: int, co
     return {"weights": weights / GIB, "latent_cache": cache / GIB, "total": (weights + cache) / GIB + FRAMEWORK_GIB}
 
 
+def rollout_replica_gpus(model: ModelPreset, gpu_memory_gib: float, batch: int = 16, context: int = 32768,
+                         headroom: float = 0.10) -> tuple[int, dict]:
+    """GPUs one rollout (inference) replica needs: the fewest GPUs (TP = EP within a node of 8, pipeline stages
+    across nodes, which also split the latent cache) whose per-GPU serving memory fits with `headroom`.
+    (gpus, serving_memory of that layout)."""
+    gpus = 1
+    while True:
+        tp = min(gpus, 8)
+        mem = serving_memory(model, tp, max(1, gpus // 8), tp, batch, context)
+        if mem["total"] <= gpu_memory_gib * (1 - headroom) or gpus >= 4096:
+            return gpus, mem
+        gpus *= 2
+
+
 def layout_of(args) -> Layout:
     """The layout parsed flags (arguments.parse_args) describe, as the planner sees it."""
     modules = set(args.recompute_modules or ["core_attn"])
