@@ -88,8 +88,9 @@ def _add_model_args(parser: argparse.ArgumentParser):
                    help="separate output layer (default: from --model)")
     g.add_argument("--mla-nope", action=argparse.BooleanOptionalAction, default=None,
                    help="MLA layers without positional encoding, as in Kimi Linear (default: from --model)")
-    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"],
-                   help="how tokens reach their experts under expert parallelism")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall", "flex"],
+                   help="how tokens reach their experts under expert parallelism (flex: DeepEP / HybridEP kernels, "
+                        "--moe-flex-dispatcher-backend)")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="grouped GEMM experts (GPU)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="step size of the expert-bias update")
@@ -192,6 +193,21 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser):
                    help="take the architecture from the --load checkpoint (e.g. one made by "
                         "tools/convert_checkpoint.py import); other architecture flags still override it")
     _add_checkpoint_safety_args(g)
+    _add_checkpoint_format_args(g)
+
+
+def _add_checkpoint_format_args(g):
+    """Megatron-LM's checkpoint-format flags and defaults (issue 27 item 9)."""
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state per parameter, loadable under any TP/PP/EP/DP, by "
+                        "gathering each data-parallel group's state on one rank at every save (default: "
+                        "dp_reshardable, each rank writes its own buffer shards; only the DP size may change)")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="let the first data-parallel replica write all of its shards instead of spreading the "
+                        "writes over every data-parallel rank")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each data-parallel rank reads a part of the checkpoint and the ranks exchange the rest "
+                        "(fewer reads of shared storage on large runs)")
 
 
 def _add_checkpoint_safety_args(g):
@@ -456,12 +472,13 @@ def validate_args(args: argparse.Namespace):
         _fail(f"--mtp-num-layers must be >= 0, got {arch.mtp_num_layers}")
     if arch.rope_type not in ("rope", "yarn"):
         _fail(f"--position-embedding-type {arch.rope_type!r}: MLA supports 'rope' and 'yarn'")
-    if args.fp8_format and not platform.te_available():
+    here = not getattr(args, "dry_run", False)  # a dry run checks flags meant for another machine, not this one
+    if here and args.fp8_format and not platform.te_available():
         _fail(f"--fp8-format {args.fp8_format} needs Transformer Engine on a CUDA GPU; drop --fp8-format "
               "on this machine")
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         _fail("--fp8-format needs --transformer-impl transformer_engine")
-    if args.transformer_impl == "transformer_engine" and not platform.te_available():
+    if here and args.transformer_impl == "transformer_engine" and not platform.te_available():
         _fail("--transformer-impl transformer_engine needs Transformer Engine and CUDA; use "
               "--transformer-impl local")
     gpu.validate_gpu_args(args, _fail)

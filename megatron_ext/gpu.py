@@ -48,13 +48,27 @@ def add_gpu_args(parser: argparse.ArgumentParser):
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last pipeline stage, which also holds the output layer and MTP layers")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="accumulate weight gradients outside the GEMM (fused by default with Transformer Engine)")
+                   help="accumulate weight gradients outside the GEMM (fused by default with Transformer Engine "
+                        "when apex's fused_weight_gradient_mlp_cuda kernel imports)")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="unfused SwiGLU (fused by default on a GPU)")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
                    help="unfused residual dropout-add (fused by default on a GPU)")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Transformer Engine's fused token permute/unpermute in the MoE dispatcher")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="run the shared expert on a side stream while the alltoall dispatcher moves tokens")
+    g.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"],
+                   help="kernels of --moe-token-dispatcher-type flex (the deep_ep package, or hybrid_ep)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fused vocabulary-parallel cross-entropy for the LM loss")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+                   help="which fused cross-entropy: Megatron-Core's own or Transformer Engine's")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap tensor-parallel communication with GEMMs (refused: see the message)")
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
-                   help="unfused rotary embedding (fused by default with Transformer Engine)")
+                   help="unfused rotary embedding (fused by default with Transformer Engine for YaRN presets: "
+                        "Megatron-Core's fused MLA RoPE exists only for YaRN)")
 
 
 def compute_capability() -> Optional[tuple[int, int]]:
@@ -118,6 +132,33 @@ def validate_gpu_args(args: argparse.Namespace, fail, capability: Optional[tuple
     if args.fp8_format and args.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & modules:
         fail("--recompute-modules moe_act/layernorm do not work with --fp8-recipe delayed; use tensorwise, "
              "blockwise or mxfp8")
+    if args.transformer_impl == "local" and args.context_parallel_size > 1 and "mla_up_proj" in modules:
+        fail(f"--recompute-modules mla_up_proj with --context-parallel-size {args.context_parallel_size} needs "
+             "--transformer-impl transformer_engine: the local backend's context-parallel MLA up-projects the "
+             "gathered KV latent itself and cannot recompute it; drop mla_up_proj from --recompute-modules "
+             "(or use Transformer Engine)")
+    if getattr(args, "tp_comm_overlap", False):
+        fail("--tp-comm-overlap does nothing for MLA models in Megatron-Core 0.16.1: Transformer Engine's userbuffers "
+             "exist only for qkv/proj/fc1/fc2, and the first MLA projection (q_down_proj) switches the model's "
+             "tp_comm_overlap off; drop the flag")
+    te_only = [flag for flag, on in (("--moe-permute-fusion", getattr(args, "moe_permute_fusion", False)),
+                                     ("--cross-entropy-fusion-impl te", getattr(args, "cross_entropy_loss_fusion", False)
+                                      and getattr(args, "cross_entropy_fusion_impl", "native") == "te")) if on]
+    if te_only and args.transformer_impl != "transformer_engine":
+        fail(f"{te_only[0]} needs --transformer-impl transformer_engine (a Transformer Engine kernel); drop it on "
+             "this machine")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "alltoall")
+    if getattr(args, "moe_shared_expert_overlap", False) and dispatcher != "alltoall":
+        fail(f"--moe-shared-expert-overlap works with --moe-token-dispatcher-type alltoall only, not {dispatcher}")
+    if getattr(args, "moe_shared_expert_overlap", False) and "shared_experts" in modules:
+        fail("--moe-shared-expert-overlap cannot be combined with --recompute-modules shared_experts")
+    if dispatcher == "flex":
+        package = {"deepep": "deep_ep", "hybridep": "hybrid_ep"}[args.moe_flex_dispatcher_backend]
+        if args.transformer_impl != "transformer_engine":
+            fail("--moe-token-dispatcher-type flex needs --transformer-impl transformer_engine")
+        if not getattr(args, "dry_run", False) and not platform.module_importable(package):
+            fail(f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+                 f"{args.moe_flex_dispatcher_backend} needs the {package} package on this machine; use alltoall")
     if args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
         fail("--moe-grouped-gemm needs --transformer-impl transformer_engine (Transformer Engine's grouped GEMM); "
              "drop it on this machine")
@@ -161,19 +202,55 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     out = dict(
         bias_activation_fusion=gpu and getattr(args, "bias_swiglu_fusion", True),
         bias_dropout_fusion=gpu and getattr(args, "bias_dropout_fusion", True),
-        apply_rope_fusion=te and getattr(args, "rope_fusion", True),
-        gradient_accumulation_fusion=te and getattr(args, "gradient_accumulation_fusion", True),
+        apply_rope_fusion=rope_fusion(args, te),
+        gradient_accumulation_fusion=gradient_accumulation_fusion(args, te),
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
     )
+    out.update(cross_entropy_loss_fusion=gpu and getattr(args, "cross_entropy_loss_fusion", False),
+               cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"))
+    if args.arch.num_experts:
+        out.update(moe_permute_fusion=te and getattr(args, "moe_permute_fusion", False),
+                   moe_shared_expert_overlap=getattr(args, "moe_shared_expert_overlap", False),
+                   moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", "deepep"))
     if getattr(args, "recompute_granularity", None) == "selective":
         out["recompute_modules"] = list(args.recompute_modules or ["core_attn"])
     if args.fp8_format and args.arch.num_experts:
         out["moe_router_padding_for_fp8"] = True  # expert token counts padded to FP8 GEMM alignment
     return out
+
+
+def rope_fusion(args: argparse.Namespace, te: bool) -> bool:
+    """TE's fused RoPE where Megatron-Core has one: MLATransformerConfig refuses it for MLA without YaRN (Kimi
+    Linear's position-free / plain-RoPE MLA), and the local backend has no fused kernel to call."""
+    return te and getattr(args, "rope_fusion", True) and args.arch.rope_type == "yarn"
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str):
+    import torch.distributed as dist
+
+    if line not in _SAID and (not dist.is_initialized() or dist.get_rank() == 0):
+        _SAID.add(line)
+        print(f"megatron_ext: {line}", flush=True)
+
+
+def gradient_accumulation_fusion(args: argparse.Namespace, te: bool) -> bool:
+    """Fused weight-gradient accumulation only where every linear can run it: TE's modules fuse on their own, but
+    the output layer is Megatron's ColumnParallelLinear, which needs apex's kernel (as Megatron-LM, switched off
+    with a line when it does not import)."""
+    if not (te and getattr(args, "gradient_accumulation_fusion", True)):
+        return False
+    if not platform.grad_accum_fusion_kernel():
+        _say_once("gradient-accumulation fusion off: apex's fused_weight_gradient_mlp_cuda does not import "
+                  "(Megatron's output layer needs it; install apex with --cpp_ext --cuda_ext to turn it on)")
+        return False
+    return True
 
 
 def ddp_config_kwargs(args: argparse.Namespace) -> dict:

@@ -139,6 +139,13 @@ class ModelShape:
             total += p.mtp_num_layers * (per + 2.0 * 2 * p.hidden_size * p.hidden_size)
         return total
 
+    def cp_kv_bytes_per_token(self, tp: int) -> float:
+        """What Transformer Engine's context-parallel ring sends per token and layer: the keys and values of this
+        TP rank's heads in bf16 (MLA's latent is up-projected before attention, so ~36x the 576-wide latent the
+        local backend's all-gather moves at TP1 for K2.5)."""
+        p = self.p
+        return 2 * p.num_attention_heads / tp * (p.qk_head_dim + p.qk_pos_emb_head_dim + p.v_head_dim)
+
     # Activations of one token in one layer, bytes (bf16 unless noted), split into the part tensor parallelism
     # divides (sequence parallel / head-parallel) and the expert part (routed tokens)
     def activation_bytes(self, moe: bool, recompute: str, tp: int) -> float:
@@ -148,7 +155,7 @@ class ModelShape:
         norms = 2 * 2 * h  # inputs of the two norms
         up = 2 * n * (dqk + p.qk_head_dim + dv)  # q and kv up-projection outputs
         core = 2 * n * (2 * dqk + dv) + 4 * n  # rope'd q and k, v, softmax statistics (fp32)
-        out = 2 * 2 * n * dv  # attention output and the output projection's input
+        out = 2 * n * dv  # attention output, which is also the output projection's saved input (one tensor)
         residual = 2 * h
         if moe:
             k, f = p.moe_router_topk, p.moe_ffn_hidden_size
@@ -164,12 +171,16 @@ class ModelShape:
         if recompute == "full":
             return 2 * h / tp  # only the layer input is kept (sequence-parallel shard)
         if recompute == "selective":  # SELECTIVE_MODULES: MLA up-projections, the MoE block, the norms
+            # the up-projection checkpoint keeps only its inputs: q latent, kv latent and rope key (the latent
+            # norms run inside it, fused into TE's up-projections)
+            latents = 2 * ((p.q_lora_rank or 0) + p.kv_lora_rank + p.qk_pos_emb_head_dim)
             up = core = 0
             norms = mlp_norm_in = 0
             if moe:
                 experts, mlp_rest = 0, 2 * h
         attn = latents + norms + up + core + out + residual
-        return (attn + mlp_norm_in + mlp_rest) / tp + experts
+        # with sequence parallelism each TP rank dispatches only its own tokens' routed copies
+        return (attn + mlp_norm_in + mlp_rest + experts) / tp
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -381,9 +392,9 @@ def estimate(model: ModelPreset, layout: Layout, gpu: GPU, work: Workload) -> Es
             vol = tokens * p.hidden_size * 2 * (L.tp - 1) / L.tp
             t_tp = layers[stage] * 8 * vol / _link(L.tp, gpu) * EXPOSED["tp"]
         t_cp = 0.0
-        if L.cp > 1:
-            vol = tokens * (p.kv_lora_rank + p.qk_pos_emb_head_dim) * 2 * (L.cp - 1)
-            t_cp = layers[stage] * 2 * vol / _link(L.tp * L.cp, gpu) * EXPOSED["cp"]
+        if L.cp > 1:  # TE's CP ring passes this rank's heads' full K and V around the ring, dK/dV too backward
+            vol = tokens * shape.cp_kv_bytes_per_token(L.tp) * (L.cp - 1)
+            t_cp = layers[stage] * 3 * vol / _link(L.tp * L.cp, gpu) * EXPOSED["cp"]
         t_pp = 0.0
         if L.pp > 1:
             t_pp = 2 * tokens / L.tp * p.hidden_size * 2 / _link(L.world, gpu) * EXPOSED["pp"]
@@ -478,6 +489,20 @@ def serving_memory(model: ModelPreset, tp: int, pp: int, ep: int, batch: int, co
     weights = weight_bytes * (nonexpert / (tp * pp) + expert / (ep * pp))
     cache = batch * context * (model.num_layers / pp) * (model.kv_lora_rank + model.qk_pos_emb_head_dim) * cache_bytes
     return {"weights": weights / GIB, "latent_cache": cache / GIB, "total": (weights + cache) / GIB + FRAMEWORK_GIB}
+
+
+def rollout_replica_gpus(model: ModelPreset, gpu_memory_gib: float, batch: int = 16, context: int = 32768,
+                         headroom: float = 0.10) -> tuple[int, dict]:
+    """GPUs one rollout (inference) replica needs: the fewest GPUs (TP = EP within a node of 8, pipeline stages
+    across nodes, which also split the latent cache) whose per-GPU serving memory fits with `headroom`.
+    (gpus, serving_memory of that layout)."""
+    gpus = 1
+    while True:
+        tp = min(gpus, 8)
+        mem = serving_memory(model, tp, max(1, gpus // 8), tp, batch, context)
+        if mem["total"] <= gpu_memory_gib * (1 - headroom) or gpus >= 4096:
+            return gpus, mem
+        gpus *= 2
 
 
 def layout_of(args) -> Layout:

@@ -22,6 +22,7 @@ bridges every gap so that the very same model, schedules and optimizer run on th
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import time
@@ -49,6 +50,10 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def module_importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 def apex_installed() -> bool:
     return importlib.util.find_spec("apex") is not None
 
@@ -57,6 +62,18 @@ def te_available() -> bool:
     """Whether Transformer Engine can be used: installed, and a GPU in use (TE does not run on a CPU, nor under
     MEGATRON_EXT_FORCE_CPU)."""
     return not bridge_needed() and te_installed()
+
+
+@functools.lru_cache(maxsize=None)
+def grad_accum_fusion_kernel() -> bool:
+    """Whether apex's `fused_weight_gradient_mlp_cuda` imports: Megatron's own ColumnParallelLinear (GPTModel's
+    output layer, under either spec) raises with gradient-accumulation fusion on and this kernel missing; TE's
+    linears fuse without it."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fused_optimizer_available() -> bool:

@@ -82,6 +82,8 @@ class _MetaIsTheGpu(torch.overrides.TorchFunctionMode):
             return args[0].to(meta)
         if func is torch.Tensor.to and len(args) > 1 and platform.is_cuda_device(args[1]):
             args = (args[0], meta) + tuple(args[2:])
+        if func is torch._has_compatible_shallow_copy_type:  # Module.to's query before it moves a tensor
+            return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         kinds = {t.device.type for t in tensors if t.dim() > 0}
         if "meta" in kinds and "cpu" in kinds:

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
             print(f"serving {args.model} on {args.gpu}: weights {mem['weights']:.1f} GiB + MLA latent cache "
                   f"{mem['latent_cache']:.1f} GiB (+ runtime) = {mem['total']:.1f} GiB per GPU of "
                   f"{gpu.memory_gib} -> {'fits' if fits else 'does NOT fit'}")
+            print(rollout_line(model, gpu, args.batch, args.context, args.headroom))
         return 0 if fits else 1
 
     if not args.gpus or args.gpus < 1:
@@ -90,7 +91,17 @@ def main(argv=None) -> int:
               f"{e.mfu:6.1%}  {parts}{'  (does not fit)' if not e.fits else ''}"
               + "".join(f"  [{n}]" for n in e.notes))
     print("flags of the first:", " ".join(results[0].layout.flags()))
+    print(rollout_line(model, gpu, 16, seq, args.headroom))
     return 0
+
+
+def rollout_line(model, gpu, batch: int, context: int, headroom: float) -> str:
+    """How many GPUs one RL rollout replica needs: one GPU is what --rl-workers engine workers get."""
+    gpus, mem = planning.rollout_replica_gpus(model, gpu.memory_gib, batch, context, headroom)
+    where = ("one-GPU engine workers (--rl-workers) can hold it" if gpus == 1 else
+             "more than one GPU: run rollouts on tensor/expert-parallel inference servers (--rl-remote-servers)")
+    return (f"rollout replica ({batch} sequences x {context} tokens): {gpus} x {gpu.name} "
+            f"({mem['total']:.0f} GiB per GPU); {where}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,31 @@ def _expert_weights(experts) -> list[tuple[torch.Tensor, torch.Tensor]]:
                      "not --moe-use-legacy-grouped-gemm")
 
 
+_DENSE_DECODE_MAX_TOKENS = 512
+
+
+def _dense_decode(flat: torch.Tensor, topk: int, num_experts: int) -> bool:
+    """On a GPU, decode batches whose tokens touch most experts anyway (tokens x top-k >= experts: ~63 % or more
+    of them) run every local expert on every token, weighted by a zero-filled routing matrix: no host sync per
+    MoE layer (the other paths read the routing with .tolist()), shapes fixed for CUDA graphs, and about the same
+    expert weights read. Smaller batches keep the sparse path, where reading every expert would cost more than
+    the sync; prefills keep the grouped path (dense would multiply their FLOPs by experts / top-k)."""
+    rows = flat.size(0)
+    return flat.is_cuda and rows <= _DENSE_DECODE_MAX_TOKENS and rows * topk >= num_experts
+
+
+def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
+    """sum over this rank's experts e of (routing weight of e per token) * expert_e(x), without host syncs."""
+    local = chosen - first
+    mine = (local >= 0) & (local < len(experts))
+    gate = torch.zeros(flat.size(0), len(experts), dtype=weights.dtype, device=flat.device)
+    gate.scatter_add_(1, local.clamp(0, len(experts) - 1), torch.where(mine, weights, torch.zeros_like(weights)))
+    out = torch.zeros_like(flat)
+    for e, (fc1, fc2) in enumerate(experts):
+        out.addcmul_(_swiglu(flat, fc1, fc2), gate[:, e: e + 1])
+    return out
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Megatron-Core's MLA rope (interleaved pairs regrouped into halves, then rotate-half), written with the
     half-width cos/sin tables so it is a few ops instead of a dozen."""
@@ -531,7 +556,9 @@ class InferenceEngine:
         chosen, weights = self._route(mlp.router, flat, routing)
         experts = self._experts[id(mlp)]
         first = mlp.local_expert_indices[0]
-        if flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
+        if _dense_decode(flat, chosen.size(1), self.config.num_moe_experts):
+            out = _moe_dense(flat, chosen, weights, experts, first)
+        elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             per_token = []
             for t, (token_experts, token_weights) in enumerate(zip(chosen.tolist(), weights.tolist())):
                 x, y_t = flat[t: t + 1], None

@@ -119,8 +119,22 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
     )
     if args.arch.attention_residuals:
         attn_residuals.install(model.decoder, args.arch.attention_residuals, args.arch.attn_res_block_size)
+    to_device_(model)
     init_replicated_linears_(model, config)
     return model
+
+
+def to_device_(model: torch.nn.Module):
+    """Move the whole model to this process's device, as Megatron-LM's `model.cuda()` does.
+
+    Megatron-Core 0.16.1 builds some tensors on the host whatever `use_cpu_initialization` says (the MoE router's
+    weight, norms and linears of local specs, our replicated MLA down projections); without this only the
+    distributed optimizer's buffers would carry them to the GPU, and a TP broadcast of a host tensor would fail
+    under NCCL. A model built for its shapes only (under ``torch.device("meta")``: converters, planners) is left
+    where it is."""
+    if any(t.is_meta for t in model.parameters()) and platform.device().type != "meta":
+        return model
+    return model.to(platform.device())
 
 
 @torch.no_grad()

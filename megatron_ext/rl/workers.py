@@ -280,6 +280,34 @@ class RolloutWorker:
 
 
 # ---- Ray -----------------------------------------------------------------------------------------------------
+def free_gpus(environ=None, device_count: Optional[int] = None) -> list[str]:
+    """This node's GPUs that the trainer's ranks do not use (torchrun's local rank r trains on visible device r),
+    as CUDA_VISIBLE_DEVICES ids: the only ones a local Ray instance may hand to rollout workers."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d for d in visible.split(",") if d.strip()]
+    else:
+        ids = [str(i) for i in range(torch.cuda.device_count() if device_count is None else device_count)]
+    return ids[int(environ.get("LOCAL_WORLD_SIZE", "1")):]
+
+
+def check_worker_gpus(workers: int, per_worker: float, available: float, replica_gpus: int = 1,
+                      model: str = "the model"):
+    """Refuse rollout workers that would wait forever for a GPU, or share the trainer's, or cannot hold the
+    model, naming what to do instead."""
+    if replica_gpus > 1:
+        raise WorkerFailure(
+            f"a rollout replica of {model} needs {replica_gpus} GPUs (tools/plan_parallelism.py --serve), but each "
+            "--rl-rollout-workers worker is a one-GPU copy of the model: run rollouts on tensor/expert-parallel "
+            "inference servers with --rl-remote-servers URL ... (SGLang protocol; docs/gpu.md)")
+    if per_worker and workers * per_worker > available:
+        raise WorkerFailure(
+            f"--rl-rollout-workers {workers} need {workers * per_worker:g} GPUs the trainer does not use; Ray has "
+            f"{available:g}. Start torchrun with fewer ranks per node, give Ray GPU nodes of its own "
+            "(--ray-address), or use --rl-remote-servers")
+
+
 def start_ray(address: Optional[str], num_cpus: int, log=print):
     """Join the cluster at `address`, or start a local instance in this process; a clear error when neither
     works. Workers get this checkout's code (local: PYTHONPATH; cluster: shipped as a py_module)."""
@@ -298,8 +326,17 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
         else:
             env_vars["PYTHONPATH"] = os.pathsep.join([os.path.dirname(pkg)] + [p for p in os.environ.get(
                 "PYTHONPATH", "").split(os.pathsep) if p])
-            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars},
-                     log_to_driver=True)
+            gpus = free_gpus() if torch.cuda.is_available() else []
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # Ray assigns workers only these devices
+            try:
+                ray.init(num_cpus=num_cpus, num_gpus=len(gpus), include_dashboard=False,
+                         runtime_env={"env_vars": env_vars}, log_to_driver=True)
+            finally:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES")
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
     except Exception as e:  # noqa: BLE001 (Ray raises many types; all mean the same here)
         where = f"join the Ray cluster at --ray-address {address}" if address else "start a local Ray instance"
         raise WorkerFailure(f"could not {where}: {type(e).__name__}: {e}. "
@@ -325,6 +362,16 @@ def _actor_class(ray):
     return ray.remote(concurrency_groups={"weights": 1})(_RayRolloutWorker)
 
 
+def _replica_gpus(model_args) -> tuple[int, str]:
+    if model_args is None:
+        return 1, "the model"
+    from megatron_ext import planning
+
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / planning.GIB
+    gpus, _ = planning.rollout_replica_gpus(model_args.arch, memory, context=model_args.seq_length)
+    return gpus, getattr(model_args, "model", "the model")
+
+
 class RayFleet:
     """`Fleet` over Ray actors. Publication: the weights go into the object store once per version (ray.put)
     and every worker reads them from there (shared memory on its node); only the tensors that changed since the
@@ -336,6 +383,10 @@ class RayFleet:
         import ray
 
         self.ray, self.size, self.log = ray, size, log
+        if num_gpus:
+            model_args = getattr(backend_factory, "model_args", None)
+            check_worker_gpus(size, num_gpus, ray.available_resources().get("GPU", 0.0),
+                              *_replica_gpus(model_args))
         self.actor_cls = _actor_class(ray)
         self._args = (cfg, backend_factory, make_env)
         self.num_gpus, self.delta = num_gpus, delta

@@ -77,6 +77,11 @@ def _layout(args: argparse.Namespace) -> dict:
                                           "context_parallel_size")}
 
 
+def _model_shards(layout: dict | None) -> dict:
+    """The layout without the data-parallel size (what dp_reshardable optimizer state depends on)."""
+    return {k: v for k, v in (layout or {}).items() if k != "world_size"}
+
+
 def serializable_args(args: argparse.Namespace) -> dict:
     out = {}
     for k, v in vars(args).items():
@@ -114,9 +119,36 @@ def _rng_sharded_object(args: argparse.Namespace) -> ShardedObject:
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
-def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: bool, loading: bool) -> dict:
-    metadata = ensure_metadata_has_dp_cp_group({"distrib_optim_sharding_type": "fully_reshardable",
-                                                "chained_optim_avoid_prefix": True})
+def optim_sharding_type(args: argparse.Namespace) -> str:
+    """Megatron-LM's default for the distributed optimizer: dp_reshardable, each rank writing its own buffer shard
+    with no gather (fully_reshardable collects a DP group's whole state on one host per save and load: ~100 GB
+    for K2.5 stage 1); resharding across TP/PP/EP stays available as an explicit choice."""
+    return "fully_reshardable" if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else "dp_reshardable"
+
+
+def _strategies(ckpt: str, args, loading: bool) -> dict:
+    """Megatron-LM's fully parallel wrappers: the writes (and, when asked, the reads) of replicated shards are
+    spread over the data-parallel ranks instead of all falling to the first replica."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import (get_default_load_sharded_strategy,
+                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
+                                                                            FullyParallelSaveStrategyWrapper)
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if loading:
+        if not getattr(args, "ckpt_fully_parallel_load", False):
+            return {}
+        return {"sharded_strategy": FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt), group)}
+    if not getattr(args, "ckpt_fully_parallel_save", True):
+        return {}
+    return {"sharded_strategy": FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)}
+
+
+def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: bool, loading: bool,
+                        sharding_type: str | None = None) -> dict:
+    metadata = ensure_metadata_has_dp_cp_group({"distrib_optim_sharding_type": sharding_type or
+                                                optim_sharding_type(args), "chained_optim_avoid_prefix": True})
     model_sd = _unwrap(model[0]).sharded_state_dict(metadata=metadata)
     state = {"model": model_sd}
     if with_optimizer and optimizer is not None:
@@ -127,8 +159,29 @@ def _sharded_state_dict(args, model, optimizer, with_optimizer: bool, with_rng: 
     return state
 
 
+@contextlib.contextmanager
+def params_gathered(model):
+    """Every rank's parameters hold the last step's update: with --overlap-param-gather the distributed optimizer
+    updates only this rank's shard and leaves the all-gather to the next forward's hooks, so weights read right
+    after a step mix updated and one-step-stale shards. As Megatron-LM around its saves: gather synchronously with
+    the hooks off, put them back afterwards."""
+    chunks = [c for c in model if getattr(c, "use_forward_hook", False)]
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
+
+
 def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, scheduler, extra: dict | None = None):
     """Save atomically under args.save; every rank calls this."""
+    with params_gathered(model):
+        _save_checkpoint(args, iteration, model, optimizer, scheduler, extra)
+
+
+def _save_checkpoint(args, iteration, model, optimizer, scheduler, extra):
     root = args.save
     final, tmp = checkpoint_dir(root, iteration), checkpoint_dir(root, iteration) + ".tmp"
     rank = dist.get_rank()
@@ -142,9 +195,9 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
     state.update(iteration=iteration, format_version=FORMAT_VERSION, args=serializable_args(args),
                  layout=_layout(args), optimizer_parts=_optimizer_parts(optimizer),
                  opt_param_scheduler=scheduler.state_dict() if scheduler else None,
-                 **(extra or {}))
+                 optim_sharding_type=optim_sharding_type(args), **(extra or {}))
     with checksummed_writes():
-        dist_checkpointing.save(state, tmp)
+        dist_checkpointing.save(state, tmp, **_strategies(tmp, args, loading=False))
     dist.barrier()
     if rank == 0:
         publish(root, tmp, final, iteration)
@@ -516,14 +569,22 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
     if not same_layout and not release:
         log(f"loading {ckpt} saved under {common.get('layout')} into {_layout(args)}: resharding, RNG state not "
             "restored")
+    sharding = common.get("optim_sharding_type", "fully_reshardable")  # what older checkpoints were written in
+    if load_optim and sharding == "dp_reshardable" and _model_shards(common.get("layout")) != _model_shards(_layout(args)):
+        raise CheckpointError(
+            f"{ckpt} holds dp_reshardable optimizer state (the default): only the data-parallel size may change, "
+            f"but it was saved under {common.get('layout')} and this run is {_layout(args)}. Pass --no-load-optim "
+            "to load the weights only, or save it again under its own layout with "
+            "--dist-ckpt-optim-fully-reshardable to reshard the optimizer state too")
     if load_optim:
         _allocate_optimizer_state(optimizer)
-    state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True)
+    state = _sharded_state_dict(args, model, optimizer, with_optimizer=load_optim, with_rng=load_rng, loading=True,
+                                sharding_type=sharding)
     if attach:
         state["model"] = {k: v for k, v in state["model"].items() if not k.startswith("mtp.")}
     state["model"] = drop_absent_extra_state(state["model"], ckpt)  # written by the other backend
     try:
-        loaded = dist_checkpointing.load(state, ckpt)
+        loaded = dist_checkpointing.load(state, ckpt, **_strategies(ckpt, args, loading=True))
     except Exception as e:
         raise CheckpointError(f"cannot load {ckpt}: {type(e).__name__}: {e}") from e
     missing, unexpected = _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
@@ -532,7 +593,8 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         raise CheckpointError(f"{ckpt} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups] if load_optim else []
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # Megatron-Core 0.16.1 copies dp_reshardable state into leaf views outside no_grad
+            optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
     if scheduler is not None and common.get("opt_param_scheduler") and not weights_only:

@@ -40,15 +40,22 @@ def print_args(args: argparse.Namespace, log=print):
         log("------------------- end of architecture -------------------")
 
 
+# SIGTERM: preemption, or torchrun passing one on. SIGUSR1: SLURM's early warning before the time limit
+# (`--signal=USR1@900`, forwarded by torchrun --signals-to-handle), which leaves time for a step and a save.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 class _Sigterm:
-    """Remembers a SIGTERM (SLURM preemption) so the loop can save and exit cleanly at the next step boundary."""
+    """Remembers a preemption signal so the loop can save and exit cleanly at the next step boundary."""
 
     def __init__(self):
         self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.name = "SIGTERM"
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPTION_SIGNALS}
 
     def _handle(self, signum, frame):
         self.received = True
+        self.name = signal.Signals(signum).name
 
     def any_rank(self) -> bool:
         # On the process group's device: NCCL rejects host tensors.
@@ -57,7 +64,8 @@ class _Sigterm:
         return bool(flag.item())
 
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def _inject_nan(forward_step_func: Callable) -> Callable:
@@ -181,7 +189,7 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
                 save(iteration)
                 saved_at = iteration
             if sigterm.any_rank():
-                log(f"SIGTERM received: saving a checkpoint at iteration {iteration} and exiting", flush=True)
+                log(f"{sigterm.name} received: saving a checkpoint at iteration {iteration} and exiting", flush=True)
                 if args.save and saved_at != iteration:
                     save(iteration)
                 return iteration

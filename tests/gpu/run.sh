@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# GPU checks on one CUDA machine (H100/H200/B200), meant to finish in under 8 minutes:
-#   bash tests/gpu/run.sh                    # from the repository root or anywhere
-# Installs the project into a virtual environment (.venv-gpu; reusing a CUDA torch the system Python already has,
-# else PyPI's default Linux torch wheel, which is built with CUDA), tries to add Transformer Engine within a short
-# timeout (its FP8 and TE-backend checks are skipped if that fails), then runs tests/gpu and the inference,
-# server and HF-conversion suites on the GPU, and prints a summary. Logs: runs/gpu-check/ (LOG_DIR).
-# Environment: VENV, LOG_DIR, TE_TIMEOUT (s, default 240), SKIP_TE_INSTALL=1, BUDGET (s, default 450),
-# WHEELS=DIR: install offline from a directory of wheels for every requirement of .[dev] except torch (plus
-# setuptools and wheel), made elsewhere with pip download, for a
-# machine without network access (then the system Python must already have a CUDA torch).
+# GPU checks on one CUDA machine (H100/H200/B200), one ordered script meant to finish within 8 minutes (TOTAL):
+#   bash tests/gpu/run.sh                         # bare machine: venv, CUDA torch, the project, TE if it installs
+#   SKIP_TE_INSTALL=1 bash tests/gpu/run.sh       # NGC PyTorch container: TE comes with the container's Python
+# Installs the project into a virtual environment (.venv-gpu; reusing a CUDA torch -- and in an NGC container TE --
+# that the system Python already has, else PyPI's default Linux torch wheel, which is built with CUDA), tries to add
+# Transformer Engine within TE_TIMEOUT, then runs the checks in order, most important first. Every step's result
+# is printed and appended to LOG_DIR/summary.txt the moment it finishes, so a run cut short still reports the steps
+# it reached. Logs: runs/gpu-check/ (LOG_DIR).
+# Environment: VENV, LOG_DIR, TE_TIMEOUT (s, default 150), SKIP_TE_INSTALL=1, TOTAL (s, default 480, the whole
+# script), WHEELS=DIR: install offline from a directory of wheels for every requirement of .[dev] except torch
+# (plus setuptools and wheel), made elsewhere with pip download, for a machine without network access (then the
+# system Python must already have a CUDA torch).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$SECONDS
 VENV=${VENV:-.venv-gpu}
 LOG_DIR=${LOG_DIR:-runs/gpu-check}
-BUDGET=${BUDGET:-450}
+TOTAL=${TOTAL:-${BUDGET:-480}}
 mkdir -p "$LOG_DIR"
+: >"$LOG_DIR/summary.txt"
 SUMMARY=()
 FAILED=0
 
 note() { echo "[gpu-check $((SECONDS - T0))s] $*"; }
-record() { SUMMARY+=("$1"); note "$1"; }
+record() { SUMMARY+=("$1"); note "$1"; echo "$1" >>"$LOG_DIR/summary.txt"; }
 
 note "machine:"
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader 2>&1 | sed 's/^/  /' \
@@ -66,8 +69,8 @@ fi
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     record "PASS transformer engine present: $("$PY" -c 'import transformer_engine as te; print(te.__version__)' 2>/dev/null)"
 elif [ "${SKIP_TE_INSTALL:-0}" != 1 ]; then
-    note "installing transformer-engine[pytorch] (timeout ${TE_TIMEOUT:-240}s)"
-    if timeout "${TE_TIMEOUT:-240}" "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch]" \
+    note "installing transformer-engine[pytorch] (timeout ${TE_TIMEOUT:-150}s)"
+    if timeout "${TE_TIMEOUT:-150}" "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch]" \
             >"$LOG_DIR/te-install.log" 2>&1 && "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
         record "PASS transformer engine installed: $("$PY" -c 'import transformer_engine as te; print(te.__version__)')"
     else
@@ -85,21 +88,21 @@ else
     record "SKIP fla-core: install failed (see $LOG_DIR/fla-install.log); the KDA kernel checks skip"
 fi
 
-# ---- checks ---------------------------------------------------------------------------------------------------
-run_step() {  # name, timeout, pytest arguments...
-    local name=$1 limit=$2
-    shift 2
-    local left=$((BUDGET - (SECONDS - T0)))
-    if [ "$left" -lt 30 ]; then
-        record "SKIP $name: time budget ($BUDGET s) spent"
+# ---- checks, in order -------------------------------------------------------------------------------------------
+run_step() {  # name, time limit (s), grep pattern for lines to copy into the summary ('' for none), pytest args...
+    local name=$1 limit=$2 show=$3
+    shift 3
+    local left=$((TOTAL - (SECONDS - T0)))
+    if [ "$left" -lt 20 ]; then
+        record "SKIP $name: the ${TOTAL} s budget is spent"
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     local t=$SECONDS
-    timeout "$limit" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" >"$LOG_DIR/$name.log" 2>&1
+    timeout "$limit" "$PY" -m pytest -q -s -p no:cacheprovider -rs "$@" >"$LOG_DIR/$name.log" 2>&1
     local rc=$?
     local line
-    line=$(grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOG_DIR/$name.log" | tail -1)
+    line=$(grep -E "[0-9]+ (passed|failed|skipped|error|deselected)" "$LOG_DIR/$name.log" | tail -1)
     if [ $rc -eq 0 ]; then
         record "PASS $name ($((SECONDS - t))s): $line"
     else
@@ -108,16 +111,42 @@ run_step() {  # name, timeout, pytest arguments...
         record "FAIL $name ($((SECONDS - t))s): $line (log: $LOG_DIR/$name.log)"
         grep -E "^(FAILED|ERROR)|^E  " "$LOG_DIR/$name.log" | head -15 | sed 's/^/    /'
     fi
+    if [ -n "$show" ]; then
+        grep -E "$show" "$LOG_DIR/$name.log" | sort -u | head -20 | while IFS= read -r l; do record "    $l"; done
+    fi
 }
 
-run_step gpu-tests 300 -m gpu tests/gpu
-run_step inference-on-gpu 120 tests/unit/test_inference.py tests/unit/test_server.py
-run_step hf-conversion-on-gpu 120 tests/parity/test_hf_conversion.py
-# MEGATRON_EXT_FORCE_CPU=1 on this GPU machine (TE installed or not): the CPU path, consistently
+P=tests/gpu/test_gpu_path.py
+G=tests/gpu/test_gpu.py
+# 1. what this machine has: versions, which fused kernels import (TE, apex's wgrad kernel, fused permute, DeepEP)
+run_step versions-kernels 60 "^KERNEL" "$P::test_versions_and_kernels"
+# 2. issue 27 item 1: no parameter or buffer left on the host after the build, local and TE
+run_step placement 60 "" "$P" -k every_tensor_is_on_the_gpu
+# 3. item 3: Megatron-Core's own config checks with the real TE, every preset
+run_step te-config 60 "" "$P" -k te_config_builds
+# 4. TE vs local on identical weights, loss and every gradient, fp32 and bf16; TE names its attention backend
+export NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1
+run_step te-local-parity 120 "^PARITY|Running with|backend" "$P" -k agree_on_loss
+unset NVTE_DEBUG NVTE_DEBUG_LEVEL
+# 5. the GPU path itself; local bf16 training and resume; 10 bf16 TE steps with and without the distributed optimizer
+run_step training 150 "" "$G" -k "gpu_path_is_taken or loss_falls or resume_continues or backend_trains"
+# 6. FP8: delayed / tensorwise / blockwise 10 steps each; mxfp8 refused below Blackwell
+run_step fp8 120 "" "$G" -k fp8
+# 7. grouped GEMM + permute fusion + overlapped DP communication + selective recompute: 10 steps, save, resume
+run_step grouped-overlap-resume 150 "" "$G" -k "grouped_gemm or local_checkpoint_loads"
+# 8. engine greedy = transformers generate on the GPU (local and TE), HF export, the server answers
+run_step engine-hf-server 150 "" "$G" -k "hf_import or server_answers"
+# 9. fla-core's KDA kernels against ours
+run_step kda-fla 60 "" tests/gpu/test_kda_fla.py
+# 10. one K2.5-width MoE layer at 4096 tokens: activation memory per token, for planning.py
+run_step moe-layer-memory 90 "^MOE-LAYER" "$P" -k k25_width
+# then, as the budget allows: the CPU-written suites with the model on the GPU, and the forced-CPU path here
+run_step inference-on-gpu 90 "" tests/unit/test_inference.py tests/unit/test_server.py
 export MEGATRON_EXT_FORCE_CPU=1
-run_step forced-cpu 90 tests/unit/test_device_placement.py tests/unit/test_te_layout.py tests/unit/test_gpu_flags.py
+run_step forced-cpu 90 "" tests/unit/test_device_placement.py tests/unit/test_model_placement.py \
+    tests/unit/test_te_layout.py tests/unit/test_gpu_flags.py
 unset MEGATRON_EXT_FORCE_CPU
 
-echo "===== summary ($((SECONDS - T0)) s) ====="
+echo "===== summary ($((SECONDS - T0)) s; also in $LOG_DIR/summary.txt) ====="
 printf '%s\n' "${SUMMARY[@]}"
 exit $FAILED

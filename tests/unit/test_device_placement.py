@@ -84,3 +84,4 @@ def test_sigterm_check_reduces_a_tensor_on_the_group_device(dense_args, monkeypa
     finally:
         sigterm.restore()
     assert seen == [torch.device("meta")]
+

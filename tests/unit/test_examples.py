@@ -38,6 +38,10 @@ def test_flag_file_parses(path):
     assert args.stage == stage
     if family == "kimi-k2.5":
         assert args.arch.num_experts == 384 and args.context_parallel_size >= 2
+        # the fast paths Megatron-Core 0.16.1 has for this model (issue 27 item 8)
+        assert args.transformer_impl == "transformer_engine"
+        assert args.moe_grouped_gemm and args.moe_permute_fusion and args.moe_shared_expert_overlap
+        assert args.cross_entropy_loss_fusion and args.moe_token_dispatcher_type == "alltoall"
 
 
 @pytest.mark.parametrize("path", K25, ids=os.path.basename)
@@ -69,3 +73,43 @@ def test_flags_after_a_file_override_it():
     path = os.path.join(ROOT, "examples", "tiny", "pretrain.args")
     args = parse_args([f"@{path}", "--dry-run", "--train-iters", "7"], world_size=1)
     assert args.train_iters == 7 and args.seq_length == 256
+
+
+def test_sbatch_time_limit_warning_reaches_the_ranks_and_requeues(tmp_path):
+    """SLURM's early SIGUSR1 to the batch script (B:) goes on to srun/torchrun, the job waits for the ranks' save
+    and requeues itself; torchrun gets a shutdown timeout below the warning and forwards SIGUSR1."""
+    import signal
+    import subprocess
+    import time
+
+    text = open(SBATCH).read()
+    lead = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M).group(1))
+    timeout = int(re.search(r"SHUTDOWN_TIMEOUT:-(\d+)", text).group(1))
+    assert 60 + timeout <= lead  # a step's worth of margin between torchrun's SIGKILL and the time limit
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[ "$1" = show ] && echo node1 || echo "scontrol $*" >> {log}\n')
+    # srun runs the launcher; the launcher stands in for torchrun + ranks: on SIGUSR1 it "saves" and exits 0
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nshift\necho "$*" >> {log}\nexec "$@"\n')
+    (bin_dir / "torchrun").write_text(f"#!/bin/bash\ntrap 'echo saved >> {log}; exit 0' USR1\n"
+                                      "while true; do sleep 0.1; done\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
+               SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="42")
+    proc = subprocess.Popen(["bash", SBATCH, "examples/kimi-k2.5/pretrain-32k.args"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(100):
+        if log.exists() and "torchrun" in log.read_text():
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # the trap is set right after srun starts
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    calls = log.read_text().splitlines()
+    assert proc.returncode == 0, out
+    assert "saving at the next step boundary, then requeueing" in out
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in calls[0]
+    assert f"--shutdown-timeout {timeout}" in calls[0]
+    assert calls[1:] == ["saved", "scontrol requeue 42"]

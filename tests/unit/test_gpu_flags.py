@@ -22,6 +22,13 @@ def _fail(msg):
     (["--recompute-granularity", "selective", "--recompute-modules", "moe", "--num-experts", "0"], "need an MoE"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"], ">= 1"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --transformer-impl transformer_engine"),
+    (["--moe-permute-fusion"], "--moe-permute-fusion needs --transformer-impl transformer_engine"),
+    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"], "fusion-impl te needs --transformer-impl"),
+    (["--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "allgather"], "alltoall only, not allgather"),
+    (["--moe-shared-expert-overlap", "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"],
+     "cannot be combined with --recompute-modules shared_experts"),
+    (["--moe-token-dispatcher-type", "flex"], "flex needs --transformer-impl transformer_engine"),
+    (["--tp-comm-overlap"], "first MLA projection \\(q_down_proj\\) switches the model's tp_comm_overlap off"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], "moe_act needs --moe-grouped-gemm"),
     (["--pipeline-model-parallel-size", "3"], "set --decoder-first-pipeline-num-layers"),
     (["--decoder-first-pipeline-num-layers", "1"], "need --pipeline-model-parallel-size > 1"),
@@ -82,3 +89,66 @@ def test_fp8_recipes_the_gpu_cannot_run_are_refused():
         gpu.validate_gpu_args(args, _fail, capability=hopper)
     gpu.validate_gpu_args(args, _fail, capability=blackwell)
     assert gpu.transformer_config_kwargs(args)["moe_router_padding_for_fp8"] is True
+
+
+@pytest.fixture
+def te_gpu(monkeypatch):
+    """This process as a GPU node with Transformer Engine, for deriving the config (nothing is built)."""
+    from megatron_ext import platform
+
+    monkeypatch.setattr(platform, "bridge_needed", lambda: False)
+    monkeypatch.setattr(platform, "te_available", lambda: True)
+    monkeypatch.setattr(gpu, "compute_capability", lambda: (9, 0))
+
+
+def _te_args(preset, *flags):
+    args = parse_args(["--model", preset, *flags], world_size=1)
+    args.transformer_impl = "transformer_engine"
+    return args
+
+
+@pytest.mark.parametrize("preset", sorted(__import__("megatron_ext.models.presets", fromlist=["PRESETS"]).PRESETS))
+def test_every_preset_builds_its_te_config(preset, te_gpu, monkeypatch):
+    """MLATransformerConfig refuses apply_rope_fusion without YaRN (Kimi Linear's presets): derived per preset."""
+    from megatron_ext import platform
+
+    monkeypatch.setattr(platform, "grad_accum_fusion_kernel", lambda: True)
+    args = _te_args(preset)
+    config = transformer_config(args)
+    assert config.apply_rope_fusion == (args.arch.rope_type == "yarn")
+    assert config.bias_activation_fusion and config.gradient_accumulation_fusion
+    assert not transformer_config(_te_args(preset, "--no-rope-fusion")).apply_rope_fusion
+    assert not gpu.rope_fusion(args, te=False)  # the local backend has no fused kernel
+
+
+def test_gradient_accumulation_fusion_only_with_apex_kernel(te_gpu, monkeypatch, capsys):
+    from megatron_ext import platform
+
+    args = _te_args("tiny")
+    monkeypatch.setattr(platform, "grad_accum_fusion_kernel", lambda: False)
+    assert gpu.transformer_config_kwargs(args)["gradient_accumulation_fusion"] is False
+    assert "gradient-accumulation fusion off: apex's fused_weight_gradient_mlp_cuda does not import" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(platform, "grad_accum_fusion_kernel", lambda: True)
+    assert gpu.transformer_config_kwargs(args)["gradient_accumulation_fusion"] is True
+    args.gradient_accumulation_fusion = False  # --no-gradient-accumulation-fusion
+    assert gpu.transformer_config_kwargs(args)["gradient_accumulation_fusion"] is False
+
+
+def test_local_context_parallel_mla_up_proj_recompute_is_refused_at_parse_time():
+    flags = ["--model", "tiny", "--transformer-impl", "local", "--context-parallel-size", "2",
+             "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "moe"]
+    with pytest.raises(ArgumentError, match="mla_up_proj with --context-parallel-size 2 needs --transformer-impl "
+                                            "transformer_engine.*drop mla_up_proj from --recompute-modules"):
+        parse_args(flags, world_size=2)
+    args = parse_args(flags[:-2] + ["moe"], world_size=2)  # the fix the message names
+    assert args.recompute_modules == ["moe"]
+
+
+def test_machine_checks_wait_for_the_machine():
+    """The K2.5 flag files name the TE backend; a dry run on a host machine checks the flags, a real run here
+    refuses early."""
+    flags = ["--model", "tiny", "--transformer-impl", "transformer_engine"]
+    assert parse_args(flags + ["--dry-run"], world_size=1).transformer_impl == "transformer_engine"
+    with pytest.raises(ArgumentError, match="needs Transformer Engine and CUDA; use --transformer-impl local"):
+        parse_args(flags, world_size=1)

@@ -275,3 +275,31 @@ def test_speculative_honours_stop_strings(engine):
     plain = eng_text.generate([[5, 6]], params)[0]
     spec = generate_speculative(eng_text, [5, 6], params)
     assert (spec.text, spec.finish_reason, spec.token_ids) == (plain.text, plain.finish_reason, plain.token_ids)
+
+
+class _NoHostSync(torch.overrides.TorchFunctionMode):
+    """Any read of tensor values on the host (a device-to-host sync on a GPU) raises."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+                    torch.Tensor.__float__, torch.Tensor.__index__):
+            raise AssertionError(f"host sync: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [3, 9])
+def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, rows, monkeypatch):
+    from megatron_ext.inference import engine as engine_module
+
+    eng, _ = engine
+    assert engine_module._dense_decode(torch.zeros(64, 8, device="meta"), 8, 384) is False  # not on a GPU
+    mlp = next(layer.mlp for layer in eng.layers if hasattr(layer.mlp, "router"))
+    h = torch.randn(rows, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        sparse = eng._moe(mlp, h, None)
+        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():  # the check has teeth
+            eng._moe(mlp, h, None)
+        monkeypatch.setattr(engine_module, "_dense_decode", lambda *a: True)  # what a CUDA decode batch takes
+        with _NoHostSync():
+            dense = eng._moe(mlp, h, None)
+    assert torch.allclose(dense, sparse, atol=1e-5, rtol=1e-4)

@@ -75,3 +75,27 @@ def test_worker_generates_groups_on_published_weights_and_survives_kill(fleet):
     f.restart(0, 1, lambda: model_weights(model))
     result = f.result(f.submit(0, RolloutRequest(4, tasks[:1], seed=7, min_version=1)))
     assert result.start_version == 1
+
+
+def test_rollout_workers_get_only_the_gpus_the_trainer_does_not_use():
+    from megatron_ext.rl.workers import free_gpus
+
+    assert free_gpus({"LOCAL_WORLD_SIZE": "4"}, device_count=8) == ["4", "5", "6", "7"]
+    assert free_gpus({"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "3,5,6"}) == ["6"]
+    # a launcher that narrows each rank to its own GPU leaves none: refused, not an actor waiting forever
+    assert free_gpus({"LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "0"}) == []
+
+
+def test_rollout_workers_without_gpus_or_too_big_a_model_are_refused():
+    from megatron_ext import planning
+    from megatron_ext.models.presets import KIMI_K2_5, TINY
+    from megatron_ext.rl.orchestrator import WorkerFailure
+    from megatron_ext.rl.workers import check_worker_gpus
+
+    check_worker_gpus(4, 1.0, available=4.0)
+    with pytest.raises(WorkerFailure, match="--rl-rollout-workers 3 need 3 GPUs the trainer does not use; Ray has 0"):
+        check_worker_gpus(3, 1.0, available=0.0)
+    gpus, _ = planning.rollout_replica_gpus(KIMI_K2_5, planning.GPUS["h200"].memory_gib)
+    assert gpus >= 16 and planning.rollout_replica_gpus(TINY, planning.GPUS["h200"].memory_gib)[0] == 1
+    with pytest.raises(WorkerFailure, match=f"needs {gpus} GPUs .* --rl-remote-servers"):
+        check_worker_gpus(1, 1.0, available=8.0, replica_gpus=gpus, model="kimi-k2.5")

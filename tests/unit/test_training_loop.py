@@ -160,18 +160,20 @@ def test_nan_injection_counts_and_aborts(tmp_path, capsys):
     assert "iteration 5: 3 consecutive steps" in err and "--max-skipped 3" in err
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_sigterm_saves_and_exits_zero(tmp_path, sig):
+    """SIGUSR1 is SLURM's early warning (examples/slurm: --signal=USR1@900, forwarded by torchrun)."""
     save = str(tmp_path / "ckpt")
     proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "pretrain_composer.py", *TINY, "--log-interval",
                              "1", "--train-iters", "100000", "--save", save], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith(" iteration        2/"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out = proc.stdout.read()
     assert proc.wait(timeout=120) == 0
-    assert "SIGTERM received: saving a checkpoint at iteration" in out
+    assert f"{sig.name} received: saving a checkpoint at iteration" in out
     saved = int(out.split("saving a checkpoint at iteration ")[1].split()[0])
     assert read_tracker(save) == saved >= 2
     checkpointing.verify_checkpoint(checkpoint_dir(save, saved))
