@@ -20,6 +20,7 @@ from megatron_ext.rl.types import Group, Reward, Rollout, Segment
 
 TRAINED = "trained_groups.jsonl"
 ROLLOUTS = "rollouts.jsonl"
+EVAL = "eval.jsonl"
 
 
 def group_to_json(g: Group) -> dict:
@@ -138,29 +139,36 @@ class Ledger:
                                 "policy_versions": sorted({v for r in g.rollouts for v in r.versions}),
                                 "rewards": g.rewards, "advantages": g.advantages} for g in groups])
 
-    def reconcile(self, iteration: int):
-        """Drop log lines of steps after `iteration` (the checkpoint resumed from) and any torn last line."""
+    def reconcile(self, iteration: int) -> dict[str, int]:
+        """Make the logs those of the checkpoint resumed from (`iteration`; 0: a fresh start), on every start:
+        drop lines of steps after it, the evaluations it will repeat (a fresh start evaluates iteration 0 again)
+        and any torn last line. Returns the number of lines dropped per file."""
+        dropped = {}
         if not self.log_dir:
-            return
-        for name in (TRAINED, ROLLOUTS):
+            return dropped
+        for name, key, last in ((TRAINED, "step", iteration), (ROLLOUTS, "step", iteration),
+                                (EVAL, "iteration", iteration if iteration > 0 else -1)):
             path = os.path.join(self.log_dir, name)
             if not os.path.exists(path):
                 continue
-            kept = []
+            kept, dropped[name] = [], 0
             with open(path) as f:
                 for line in f:
                     try:
                         record = json.loads(line)
                     except ValueError:
-                        continue
-                    if record.get("step", 0) <= iteration:
+                        record = None
+                    if isinstance(record, dict) and record.get(key, 0) <= last:
                         kept.append(line if line.endswith("\n") else line + "\n")
+                    else:
+                        dropped[name] += 1
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 f.writelines(kept)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        return dropped
 
 
 def trained_counts(log_dir: str) -> dict[str, int]:

@@ -39,12 +39,12 @@ from megatron_ext.rl import forward as rl_forward
 from megatron_ext.rl.advantage import group_advantages, is_zero_advantage, kl_penalised
 from megatron_ext.rl.batch import micro_batches, rows_needed
 from megatron_ext.rl.env import Environment
-from megatron_ext.rl.ledger import Ledger
+from megatron_ext.rl.ledger import EVAL, Ledger
 from megatron_ext.rl.loss import LossConfig, aggregation_weights
 from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, reference_groups, run_groups
 from megatron_ext.rl.types import Group, TrainingSample
 from megatron_ext.training import checkpointing
-from megatron_ext.training.checkpointing import load_checkpoint, load_weights, save_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint, load_weights, read_tracker, save_checkpoint
 from megatron_ext.training.loop import TrainingAborted, _Logger, _Sigterm, print_args
 from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
     train_step
@@ -163,6 +163,29 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
     return out
 
 
+def resume_own_save(args: argparse.Namespace) -> str:
+    """Where this run starts, decided before anything loads, and the log line saying it.
+
+    A run whose --save already holds a checkpoint resumes from it, whatever --load and --finetune say: a SLURM
+    requeue reruns the same command, and the run's own checkpoint carries the optimizer, schedule, RNG, ledger
+    and the reference policy's source (the --load it first started from). Otherwise the run starts from --load
+    (weights only with --finetune) or from initialisation."""
+    saved = read_tracker(args.save) if args.save else None
+    if saved is not None:
+        first = args.load
+        args.load, args.finetune = args.save, False
+        args.mtp_attach = False  # MTP layers attached at the run's start are in its own checkpoints
+        same = first is not None and os.path.abspath(first) == os.path.abspath(args.save)
+        start = "" if same else f"; --load {first} is not read (the run's checkpoint names its reference policy)" \
+            if first else ""
+        return f"RL: resuming this run from its own --save {args.save} (iteration {saved}){start}"
+    if args.load:
+        what = "weights only, iteration 0" if args.finetune else "weights, optimizer and iteration"
+        where = f"; nothing under --save {args.save} yet" if args.save else ""
+        return f"RL: starting from --load {args.load} ({what}){where}"
+    return "RL: starting from the initialised model (no --load, nothing under --save)"
+
+
 class RLTrainer:
     def __init__(self, args: argparse.Namespace, cfg: RLConfig, tasks: list[dict], make_env: Callable[[], Environment],
                  generate: Optional[GenerateFn] = None, log=print, backend_factory=None):
@@ -177,18 +200,22 @@ class RLTrainer:
             self.reference = build_model(args, wrap_ddp=False)[0]
             self._copy_weights(self.model, self.reference)  # the initial policy, unless loaded below
         self.iteration, self.reference_source = 0, "init"
+        log(resume_own_save(args), flush=True)
         if args.load:
             self.iteration, common = load_checkpoint(args, self.model, self.optimizer, self.scheduler, log=log)
             state = common.get("rl_state")
             if state is not None and self.iteration > 0:
                 self.ledger.load_state_dict(state)
                 self.reference_source = state.get("reference", "init")
-                if self.rank == 0:
-                    self.ledger.reconcile(self.iteration)
                 log(f"RL state: cursor {self.ledger.cursor}/{len(tasks)}, {len(self.ledger.in_flight)} prompts in "
                     f"flight, {len(self.ledger.pending)} finished groups pending")
             elif common:  # a run starting from a (pretrained / SFT) checkpoint: that is the reference
                 self.reference_source = args.load
+        if self.rank == 0:  # also at iteration 0: a run killed before its first checkpoint left lines behind
+            dropped = self.ledger.reconcile(self.iteration)
+            if any(dropped.values()):
+                log(f"RL logs: removed the lines of steps after iteration {self.iteration} (not in the checkpoint "
+                    "resumed from): " + ", ".join(f"{n} {k}" for k, n in dropped.items() if n), flush=True)
         if cfg.reference_load:
             self.reference_source = cfg.reference_load
         if self.reference is not None:
@@ -520,7 +547,7 @@ class RLTrainer:
         sigterm = self._sigterm = _Sigterm()
         saved_at = self.iteration if args.load else None
         skipped_total = skipped_in_row = 0
-        eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
+        eval_log = os.path.join(cfg.log_dir, EVAL) if cfg.log_dir and self.rank == 0 else None
         try:
             if cfg.eval_tasks and cfg.eval_interval and self.iteration == 0:
                 self._eval(logger, eval_log)
@@ -579,14 +606,24 @@ class RLTrainer:
 
 
 FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
+FAULT_WAIT_ENV = "MEGATRON_EXT_RL_FAULT_WAIT"
 
 
 def _fault(point: str, iteration: int):
     """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
     (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION (POINT `worker`: rank 0
-    kills rollout worker 0 instead, at the start of that step)."""
-    if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
+    kills rollout worker 0 instead, at the start of that step). With MEGATRON_EXT_RL_FAULT_WAIT=FILE it writes FILE
+    and waits there instead, for the test to kill -9 the whole process tree (torchrun and every rank) from outside,
+    as a SLURM preemption or a node failure does."""
+    if os.environ.get(FAULT_ENV) != f"{point}:{iteration}":
+        return
+    marker = os.environ.get(FAULT_WAIT_ENV)
+    if not marker:
         os.kill(os.getpid(), signal.SIGKILL)
+    with open(f"{marker}.{os.getpid()}", "w") as f:
+        f.write(f"{point}:{iteration}\n")
+    while True:
+        time.sleep(60)
 
 
 def _success(rollout) -> float:
