@@ -412,8 +412,9 @@ class RLTrainer:
         for _ in range(cfg.iterations):
             step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay)
             results.append(train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb))
-            if not results[-1]["skipped"]:
-                self.scheduler.step(increment=args.global_batch_size)
+        if not all(r["skipped"] for r in results):
+            # the schedule counts RL steps (--train-iters): the k optimizer steps over one batch share its rate
+            self.scheduler.step(increment=args.global_batch_size)
         metrics.update(rl_forward.pop_metrics())
         timers["train"] = time.perf_counter() - t
 
