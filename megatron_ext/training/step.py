@@ -99,6 +99,14 @@ def setup_model_and_optimizer(args: argparse.Namespace, init_fn=None):
     cfg = model[0].config
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = optimizer.scale_loss
+    if getattr(args, "overlap_grad_reduce", False):
+        # As Megatron-LM's training loop: the schedule runs all but the last micro-batch under no_sync, so DDP
+        # launches a bucket's reduce in the last backward whatever the step's micro-batch count (RL packs a
+        # different number each step); without it DDP counts gradient arrivals against the first step's count.
+        no_sync = [chunk.no_sync for chunk in model]
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        cfg.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        cfg.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
     return model, optimizer
 
 
