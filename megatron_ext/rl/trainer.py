@@ -316,7 +316,8 @@ class RLTrainer:
 
     def _micro_batches(self, samples: list[TrainingSample]):
         args, cfg = self.args, self.cfg
-        weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length)
+        weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length,
+                                      episodes=cfg.prompts_per_step * cfg.group_size)
         ids = list(range(len(samples)))
         per_rank = [ids[d::self.dp] for d in range(self.dp)]  # samples dealt round-robin: balanced ranks
         nmb = max(rows_needed([samples[i] for i in r], args.seq_length, args.micro_batch_size, self.pad_multiple)

@@ -49,7 +49,7 @@ def _micro_batches(dp: int, dp_rank: int):
     from megatron_ext.rl.loss import aggregation_weights
 
     samples = _samples()
-    weights = aggregation_weights("constant", [s.loss_mask for s in samples], 16)
+    weights = aggregation_weights("constant", [s.loss_mask for s in samples], 16, episodes=len(samples))
     slots = [[i for i, s in enumerate(samples) if s.group_index % DP_SPLIT == d] for d in range(DP_SPLIT)]
     per_slot = [micro_batches([samples[i] for i in r], [weights[i] for i in r], 32, 1, 0, 2, 1, r, (3, 2))
                 for r in slots]
@@ -154,7 +154,7 @@ def _overlap_worker(rank, world, port, flags, out):
     model, optimizer = setup_model_and_optimizer(args, init_fn=partial(init_layout_invariant_, seed=3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     samples = _samples()
-    weights = aggregation_weights("constant", [s.loss_mask for s in samples], 16)
+    weights = aggregation_weights("constant", [s.loss_mask for s in samples], 16, episodes=len(samples))
     mine = [i for i in range(len(samples)) if i % dp == dp_rank]
     least = max(rows_needed([samples[i] for i in range(len(samples)) if i % dp == d], 32, 1) for d in range(dp))
     assert least + 2 <= len(mine)  # every micro-batch holds a sample (an empty one makes the MTP loss 0/0)

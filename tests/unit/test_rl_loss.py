@@ -131,7 +131,7 @@ def test_importance_statistics_count_corrected_tokens():
 
 def test_aggregation_weights():
     masks = [np.array([0, 1, 1, 0], np.float32), np.array([0, 0, 1, 1, 1, 1], np.float32)]
-    const = aggregation_weights("constant", masks, 8)
+    const = aggregation_weights("constant", masks, 8, episodes=2)
     assert [w.tolist() for w in const] == [[0, 1 / 16, 1 / 16, 0], [0, 0] + [1 / 16] * 4]
     tok = aggregation_weights("token-mean", masks, 8)
     assert sum(float((w * m).sum()) for w, m in zip(tok, masks)) == pytest.approx(1.0)
@@ -140,6 +140,20 @@ def test_aggregation_weights():
     assert seq[0][1] == pytest.approx(1 / 4) and seq[1][2] == pytest.approx(1 / 8)
     with pytest.raises(ValueError, match="--rl-loss-aggregation"):
         aggregation_weights("mean", masks, 8)
+
+
+def test_constant_normaliser_is_a_constant_of_the_configuration():
+    """Dr.GRPO's 1 / (prompts x group size x L_max): a sample's token weights do not depend on how many sequences
+    the step holds (a partial last step, pending groups after a resume, self-summarisation chains)."""
+    rng = np.random.RandomState(0)
+    masks = [(rng.uniform(size=12) > 0.4).astype(np.float32) for _ in range(8)]
+    full = aggregation_weights("constant", masks, 10, episodes=8)
+    for n in (1, 3, 5, 11):  # fewer sequences than episodes, or more (chains)
+        part = aggregation_weights("constant", (masks * 2)[:n], 10, episodes=8)
+        assert all(np.array_equal(a, b) for a, b in zip(part, (full * 2)[:n]))
+    assert full[0].max() == pytest.approx(1 / 80)
+    with pytest.raises(ValueError, match="--grpo-group-size"):
+        aggregation_weights("constant", masks, 10)
 
 
 def test_advantages():
