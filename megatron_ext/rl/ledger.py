@@ -135,9 +135,17 @@ class Ledger:
         self._append(ROLLOUTS, records)
 
     def log_trained(self, step: int, groups: list[Group]):
-        self._append(TRAINED, [{"prompt_id": g.prompt_id, "step": step,
-                                "policy_versions": sorted({v for r in g.rollouts for v in r.versions}),
-                                "rewards": g.rewards, "advantages": g.advantages} for g in groups])
+        """One line per group; with the k1 KL in the reward also each rollout's k1 sum and penalised reward, so
+        that advantages = penalised rewards - their group mean can be checked from the log."""
+        records = []
+        for g in groups:
+            record = {"prompt_id": g.prompt_id, "step": step,
+                      "policy_versions": sorted({v for r in g.rollouts for v in r.versions}),
+                      "rewards": g.rewards, "advantages": g.advantages}
+            if g.k1_sums is not None:
+                record.update(k1_sums=g.k1_sums, penalised_rewards=g.penalised_rewards)
+            records.append(record)
+        self._append(TRAINED, records)
 
     def reconcile(self, iteration: int) -> dict[str, int]:
         """Make the logs those of the checkpoint resumed from (`iteration`; 0: a fresh start), on every start:

@@ -36,7 +36,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megatron_ext.mtp import distill
 from megatron_ext.rl import forward as rl_forward
-from megatron_ext.rl.advantage import group_advantages, is_zero_advantage, kl_penalised
+from megatron_ext.rl.advantage import is_zero_advantage
 from megatron_ext.rl.batch import micro_batches, rows_needed
 from megatron_ext.rl.env import Environment
 from megatron_ext.rl.ledger import EVAL, Ledger
@@ -390,8 +390,7 @@ class RLTrainer:
                 k = 0
                 for g in groups:  # the KL of a chained episode is summed over its sequences
                     n = len(g.rollouts)
-                    g.set_advantages(group_advantages(kl_penalised(g.episode_rewards(), g.episode_sums(sums[k:k + n]),
-                                                                   cfg.loss.kl_beta), cfg.std_normalize))
+                    g.set_kl_penalty(sums[k:k + n], cfg.loss.kl_beta, cfg.std_normalize)
                     k += n
                 metrics["k1 sequence sum"] = float(np.mean(sums))
                 samples = self._samples(groups)

@@ -16,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext.rl.advantage import group_advantages, kl_penalised
+
 FINISH_REASONS = ("stop", "length", "error")
 
 
@@ -113,6 +115,8 @@ class Group:
     prompt_id: str
     rollouts: list[Rollout]
     advantages: Optional[list[float]] = None
+    k1_sums: Optional[list[float]] = None            # per rollout: sum over its model tokens of log q - log p_ref
+    penalised_rewards: Optional[list[float]] = None  # per rollout: its episode's reward - beta x the episode's k1
 
     @property
     def rewards(self) -> list[float]:
@@ -137,6 +141,15 @@ class Group:
         for r, v in zip(self.rollouts, values):
             out[index[r.sample_index]] += v
         return out
+
+    def set_kl_penalty(self, k1_sums, beta: float, std_normalize: bool):
+        """Fold the k1 KL into the rewards (summed over an episode's sequences) and recompute the advantages,
+        keeping both for the logs: advantage = penalised reward - group mean is checkable from them."""
+        index = self._episodes()
+        penalised = kl_penalised(self.episode_rewards(), self.episode_sums(k1_sums), beta)
+        self.k1_sums = [float(v) for v in k1_sums]
+        self.penalised_rewards = [float(penalised[index[r.sample_index]]) for r in self.rollouts]
+        self.set_advantages(group_advantages(penalised, std_normalize))
 
     def set_advantages(self, episode_advantages):
         """Every sequence of an episode gets the episode's advantage."""

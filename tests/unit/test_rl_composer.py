@@ -98,6 +98,11 @@ def test_short_run_trains_each_group_once_with_parsed_rewards(tmp_path, nproc):
         by_prompt.setdefault(r["prompt_id"], []).append(r["reward"])
     for g in trained:
         assert g["rewards"] == pytest.approx(by_prompt[g["prompt_id"]])
+        # k1 in the reward (--grpo-kl-beta 0.001 by default): the advantages are auditable from the log
+        penalised = [r - 0.001 * k for r, k in zip(g["rewards"], g["k1_sums"])]
+        assert g["penalised_rewards"] == pytest.approx(penalised, abs=1e-12)
+        assert g["advantages"] == pytest.approx([p - sum(penalised) / len(penalised) for p in penalised], abs=1e-12)
+    assert max(abs(k) for g in trained for k in g["k1_sums"]) > 1e-3  # the policy moved from the reference
     evals = _jsonl(os.path.join(logs, "eval.jsonl"))
     assert [e["iteration"] for e in evals] == [0, 2]
     assert all(0 <= e["heldout success"] <= e["heldout pass@k"] <= 1 for e in evals)
