@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from megatron_ext import platform
 from megatron_ext.data.sft import packed_batch
 from megatron_ext.models import context_parallel
 from megatron_ext.mtp import distill
@@ -56,20 +57,24 @@ def pop_metrics() -> dict[str, float]:
         dist.all_gather_object(gathered, box[0])
         names = sorted({n for g in gathered for n in g[0]})
         names_max = sorted({n for g in gathered for n in g[1]})
-    sums = torch.stack([_SUMS.get(n, torch.zeros(2, dtype=torch.float64)) for n in names]) if names else None
-    maxes = torch.stack([_MAX.get(n, torch.zeros((), dtype=torch.float64)) for n in names_max]) if names_max \
-        else None
+    device = platform.device()  # the process group's (NCCL takes no host tensors), also for names absent here
+    zeros = torch.zeros(2, dtype=torch.float64, device=device)
+    sums = torch.stack([_SUMS.get(n, zeros).to(device) for n in names]) if names else None
+    maxes = torch.stack([_MAX.get(n, zeros[0]).to(device) for n in names_max]) if names_max else None
     out = {}
     if sums is not None:
         # tensor-parallel ranks hold the same loss values: count each data/context/pipeline slot once; routers
         # under sequence parallelism see different tokens on each tensor-parallel rank: count them all
         if parallel_state.get_tensor_model_parallel_rank() != 0:
-            sums = sums * torch.tensor([[float(n in TP_SPLIT_METRICS)] for n in names], dtype=sums.dtype)
+            sums = sums * torch.tensor([[float(n in TP_SPLIT_METRICS)] for n in names], dtype=sums.dtype,
+                                       device=device)
         dist.all_reduce(sums)
-        out.update({n: float(s[0] / s[1]) if s[1] > 0 else 0.0 for n, s in zip(names, sums)})
     if maxes is not None:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        out.update({n: float(v) for n, v in zip(names_max, maxes)})
+    if sums is not None:  # to the host once, after both reductions
+        out.update({n: s / c if c > 0 else 0.0 for n, (s, c) in zip(names, sums.tolist())})
+    if maxes is not None:
+        out.update(zip(names_max, maxes.tolist()))
     _SUMS.clear()
     _MAX.clear()
     return out

@@ -34,6 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megatron_ext import platform
 from megatron_ext.mtp import distill
 from megatron_ext.rl import forward as rl_forward
 from megatron_ext.rl.advantage import is_zero_advantage
@@ -132,16 +133,17 @@ def logprob_pass(model, mbs: list[dict], args, routing_replay: bool) -> list[Opt
 
 def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int) -> np.ndarray:
     """Sum over each sample's model tokens of k1 = log p_sampler - log p_ref, every rank the same."""
-    total = torch.zeros(num_samples, dtype=torch.float64)
+    # on the process group's device (NCCL takes no host tensors); padding (id -1) adds 0 to sample 0, without a
+    # data-dependent boolean index (a host sync)
+    total = torch.zeros(num_samples, dtype=torch.float64, device=platform.device())
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for mb, lp in zip(mbs, ref):
             batch, _, _, _ = rl_forward.local_batch(mb)
             ids, mask = batch["sample_ids"].view(-1), batch["loss_mask"].view(-1)
-            k1 = (batch["sampler_logprobs"].view(-1).double() - lp.view(-1).double()) * mask
-            keep = ids >= 0
-            total.index_add_(0, ids[keep], k1[keep])
+            k1 = (batch["sampler_logprobs"].view(-1).double() - lp.view(-1).double().to(ids.device)) * mask
+            total.index_add_(0, ids.clamp(min=0).to(total.device), (k1 * (ids >= 0)).to(total.device))
     dist.all_reduce(total)  # data-parallel ranks hold different samples, CP ranks different tokens
-    return total.numpy()
+    return total.cpu().numpy()
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
