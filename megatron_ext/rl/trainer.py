@@ -278,7 +278,8 @@ class RLTrainer:
                                          log=self.log)
         where = f" over {len(cfg.remote_servers)} remote server(s)" if cfg.remote_servers else ""
         self.log(f"asynchronous RL: {fc.workers} rollout workers{where}, --rl-max-staleness {fc.max_staleness}, "
-                 f"{ocfg.prompts_per_request} prompt(s) per request", flush=True)
+                 f"{ocfg.prompts_per_request} prompt(s) per request, importance correction of stale tokens: "
+                 f"{cfg.loss.importance_sampling} (--rl-importance-sampling)", flush=True)
 
     def _fleet_batch(self):
         """The orchestrator's groups for this step (rank 0), on every rank; "stop" when a SIGTERM arrived while

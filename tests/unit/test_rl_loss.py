@@ -166,6 +166,22 @@ def test_advantages():
     assert kl_penalised([1.0, 0.0], [2.0, -1.0], 0.1).tolist() == pytest.approx([0.8, 0.1])
 
 
+def test_importance_correction_defaults_to_tis_when_samples_may_be_stale():
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.rl.arguments import add_rl_args, loss_config
+
+    def mode(*flags):
+        args = parse_args(["--model", "tiny", "--rl-prompts", "p.jsonl", *flags], extra=[add_rl_args], world_size=1)
+        return loss_config(args).importance_sampling
+
+    stale = ["--rl-rollout-workers", "2", "--rl-max-staleness", "1"]
+    assert mode(*stale) == "tis"
+    assert mode("--rl-rollout-workers", "2") == "none"  # staleness 0: every token on-policy
+    assert mode() == "none"
+    assert mode(*stale, "--rl-importance-sampling", "none") == "none"  # an explicit choice stands
+    assert mode(*stale, "--rl-importance-sampling", "icepop") == "icepop"
+
+
 def test_bad_config_is_refused_with_the_flag_name():
     with pytest.raises(ValueError, match="--rl-kl-estimator"):
         LossConfig(kl_estimator="k4")
