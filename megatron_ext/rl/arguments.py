@@ -177,6 +177,11 @@ def validate_rl_args(args: argparse.Namespace):
         fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
+    if (args.rl_top_k or args.rl_top_p < 1.0) and not args.rl_sft_warmup:
+        fail(f"--rl-top-k {args.rl_top_k} / --rl-top-p {args.rl_top_p}: a truncated sampling distribution gives "
+             "the excluded tokens no probability, so the trainer's log-probabilities (and the importance ratio and "
+             "KL) would not be the sampler's; train with --rl-top-k 0 --rl-top-p 1 (--rl-temperature is supported: "
+             "the trainer divides its logits by it)")
 
 
 def loss_config(args: argparse.Namespace) -> LossConfig:

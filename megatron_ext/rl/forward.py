@@ -82,12 +82,15 @@ def pop_metrics() -> dict[str, float]:
 
 class _MainLogits:
     """Captures the main head's logits from the output layer (call number `index` of a forward: Megatron-Core's
-    GPTModel runs its MTP heads first, then the main head). The consumer gets a copy, because Megatron-Core's
+    GPTModel runs its MTP heads first, then the main head), divided by the sampling temperature: the trainer's
+    log-probabilities are then those of the distribution the sampler drew from (as verl divides its logits), so the
+    importance ratio and k1 compare like with like. The consumer gets a copy, because Megatron-Core's
     vocabulary-parallel cross-entropy overwrites its input."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, temperature: float = 1.0, keep: bool = True):
         self.model = getattr(model, "module", model)
         self.index = self.model.config.mtp_num_layers or 0
+        self.temperature, self.keep = temperature, keep
         self.calls, self.logits = 0, None
 
     def _hook(self, module, inputs, output):
@@ -95,12 +98,17 @@ class _MainLogits:
         if k != self.index:
             return None
         logits, bias = output
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if not self.keep:
+            return logits, bias
         self.logits = logits
         return logits.clone(), bias
 
     def __enter__(self):
+        wanted = self.keep or self.temperature != 1.0
         self.handle = self.model.output_layer.register_forward_hook(self._hook) \
-            if getattr(self.model, "post_process", False) else None
+            if wanted and getattr(self.model, "post_process", False) else None
         return self
 
     def __exit__(self, *exc):
@@ -228,8 +236,10 @@ def local_batch(micro_batch: dict):
     return batch, routing, packed_seq_params, bounds
 
 
-def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_replay: bool = False):
-    """Megatron schedule forward step for packed RL micro-batches (see module doc for `scale`)."""
+def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_replay: bool = False,
+                 temperature: float = 1.0):
+    """Megatron schedule forward step for packed RL micro-batches (see module doc for `scale`); log-probabilities
+    under the sampling `temperature`."""
     batch, routing, packed_seq_params, bounds = local_batch(next(data_iterator))
     if routing_replay:
         if routing is None:
@@ -238,7 +248,7 @@ def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_re
         if context_parallel.cp_size() > 1:
             routing = routing.index_select(0, context_parallel.local_index(bounds).to(routing.device))
         set_replay(model, routing, valid=batch["sample_ids"].view(-1) >= 0)
-    capture = _MainLogits(model)
+    capture = _MainLogits(model, temperature)
     with capture:
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
@@ -253,15 +263,16 @@ def logprob_loss_func(batch: dict, output_tensor: torch.Tensor):
     return torch.zeros(()), torch.ones((), dtype=torch.int), {"logprobs": logp}
 
 
-def logprob_forward_step(data_iterator, model, routing_replay: bool = False):
+def logprob_forward_step(data_iterator, model, routing_replay: bool = False, temperature: float = 1.0):
     batch, routing, packed_seq_params, bounds = local_batch(next(data_iterator))
     if routing_replay and routing is not None:
         routing = routing.reshape(-1, *routing.shape[2:])
         if context_parallel.cp_size() > 1:
             routing = routing.index_select(0, context_parallel.local_index(bounds).to(routing.device))
         set_replay(model, routing)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
+    with _MainLogits(model, temperature, keep=False):
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
     if routing_replay and routing is not None:
         set_replay(model, None)
     return output, partial(logprob_loss_func, batch)

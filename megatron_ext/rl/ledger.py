@@ -129,6 +129,7 @@ class Ledger:
                                 "sequence_index": r.sequence_index, "finish_reason": r.finish_reason, "token_ids": t["token_ids"].tolist(),
                                 "loss_mask": t["loss_mask"].astype(int).tolist(),
                                 "logprobs": [round(float(x), 6) for x in t["logprobs"]],
+                                "sampled_logprobs": [round(float(x), 6) for x in t["sampled_logprobs"]],
                                 "versions": t["versions"].tolist(),
                                 "reward": r.reward.total, "reward_parts": r.reward.parts,
                                 "reward_error": r.reward.error})

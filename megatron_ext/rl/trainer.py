@@ -116,12 +116,15 @@ def _cleanup_trackers():
     distill.pop_metrics(1)
 
 
-def logprob_pass(model, mbs: list[dict], args, routing_replay: bool) -> list[Optional[torch.Tensor]]:
-    """Per micro-batch, this rank's label log-probabilities [1, T_local] (None off the last pipeline stage)."""
+def logprob_pass(model, mbs: list[dict], args, routing_replay: bool,
+                 temperature: float = 1.0) -> list[Optional[torch.Tensor]]:
+    """Per micro-batch, this rank's label log-probabilities [1, T_local] under the sampling temperature (None off
+    the last pipeline stage)."""
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        out = _run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay), iter(mbs),
+        out = _run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay,
+                                    temperature=temperature), iter(mbs),
                             model, args, len(mbs), forward_only=True)
     for chunk in model:
         chunk.train()
@@ -193,6 +196,7 @@ class RLTrainer:
                  generate: Optional[GenerateFn] = None, log=print, backend_factory=None):
         self.args, self.cfg, self.tasks, self.make_env, self.log = args, cfg, tasks, make_env, log
         self.by_id = {t["id"]: t for t in tasks}
+        self.temperature = 1.0 if cfg.sft_warmup else cfg.sampling.temperature
         self.rank = dist.get_rank()
         self.model, self.optimizer = setup_model_and_optimizer(args)
         self.scheduler = build_scheduler(args, self.optimizer)
@@ -314,7 +318,8 @@ class RLTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def _samples(self, groups: list[Group]) -> list[TrainingSample]:
-        return [TrainingSample.from_rollout(r, a, gi) for gi, g in enumerate(groups)
+        tempered = self.temperature != 1.0  # the sampler's log q under the distribution it drew from
+        return [TrainingSample.from_rollout(r, a, gi, tempered) for gi, g in enumerate(groups)
                 for r, a in zip(g.rollouts, g.advantages)]
 
     def _micro_batches(self, samples: list[TrainingSample]):
@@ -387,7 +392,7 @@ class RLTrainer:
         mbs, nmb = self._micro_batches(samples)
         metrics = {}
         if self.reference is not None and not cfg.sft_warmup:
-            ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay)
+            ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay, self.temperature)
             if cfg.loss.kl_estimator == "k1":
                 sums = k1_sums(mbs, ref, len(samples))
                 k = 0
@@ -407,13 +412,14 @@ class RLTrainer:
 
         t = time.perf_counter()
         if cfg.iterations > 1:
-            for mb, lp in zip(mbs, logprob_pass(self.model, mbs, args, cfg.routing_replay)):
+            for mb, lp in zip(mbs, logprob_pass(self.model, mbs, args, cfg.routing_replay, self.temperature)):
                 if lp is not None:
                     mb["old_logprobs"] = lp
         scale = float(nmb * self.dp * self.cp)
         results = []
         for _ in range(cfg.iterations):
-            step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay)
+            step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay,
+                              temperature=self.temperature)
             results.append(train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb))
         if not all(r["skipped"] for r in results):
             # the schedule counts RL steps (--train-iters): the k optimizer steps over one batch share its rate

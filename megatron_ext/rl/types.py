@@ -170,9 +170,13 @@ class TrainingSample:
     group_index: int = 0         # which group of the step, for group-level quantities (KL in the reward)
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, advantage: float, group_index: int = 0) -> "TrainingSample":
+    def from_rollout(cls, rollout: Rollout, advantage: float, group_index: int = 0,
+                     tempered: bool = False) -> "TrainingSample":
+        """`tempered`: the sampler's log-probabilities under the distribution it drew from (temperature != 1)
+        rather than the model's raw ones."""
         t = rollout.per_token()
-        return cls(t["token_ids"], t["loss_mask"], t["logprobs"], float(advantage), t["versions"],
+        logprobs = t["sampled_logprobs"] if tempered else t["logprobs"]
+        return cls(t["token_ids"], t["loss_mask"], logprobs, float(advantage), t["versions"],
                    rollout.routing, group_index)
 
     @property
