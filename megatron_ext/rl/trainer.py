@@ -134,6 +134,13 @@ def logprob_pass(model, mbs: list[dict], args, routing_replay: bool,
     return [o["logprobs"] for o in out]
 
 
+def reference_logprobs(reference, mbs: list[dict], args, temperature: float = 1.0) -> list[Optional[torch.Tensor]]:
+    """log p_ref under the reference model's own routing, never the sampler's replayed experts: the KL penalty is
+    to the reference policy, and an MoE policy's distribution includes its router's choices; replaying the
+    sampler's experts would score the tokens with a mixture of the two models (docs/design-notes.md, issue 24)."""
+    return logprob_pass([reference], mbs, args, routing_replay=False, temperature=temperature)
+
+
 def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int) -> np.ndarray:
     """Sum over each sample's model tokens of k1 = log p_sampler - log p_ref, every rank the same."""
     # on the process group's device (NCCL takes no host tensors); padding (id -1) adds 0 to sample 0, without a
@@ -392,7 +399,7 @@ class RLTrainer:
         mbs, nmb = self._micro_batches(samples)
         metrics = {}
         if self.reference is not None and not cfg.sft_warmup:
-            ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay, self.temperature)
+            ref = reference_logprobs(self.reference, mbs, args, self.temperature)
             if cfg.loss.kl_estimator == "k1":
                 sums = k1_sums(mbs, ref, len(samples))
                 k = 0

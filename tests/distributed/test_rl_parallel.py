@@ -12,6 +12,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.harness import _free_port, join
@@ -85,8 +86,14 @@ def _worker(rank, world, port, flags, out):
     cfg = LossConfig(kl_beta=0.1, kl_estimator="k3", importance_sampling="tis", is_truncation_coef=1.5,
                      entropy_weight=0.01)
     step = partial(rl_forward.forward_step, cfg, float(len(mbs) * dp), routing_replay=True)
+    from tests.unit.test_rl_replay import forced_routing_hooks
+
+    hits, handles = forced_routing_hooks(model[0])
     r = train_step(step, iter(mbs), model, optimizer, args, len(mbs))
+    for h in handles:
+        h.remove()
     metrics = rl_forward.pop_metrics()
+    metrics["forced experts"] = float(torch.cat(hits).float().mean()) if hits else -1.0
     grads = {name: float(p.main_grad.double().norm()) for name, p in model[0].named_parameters()}
     if rank == 0:
         with open(out, "w") as f:
@@ -121,6 +128,8 @@ def test_rl_step_matches_one_rank(layout, reference):
     for name in ("policy", "entropy", "k1", "k3", "is_corrected", "mismatch", "trainer_logprob", "mismatch_max",
                  "routing replay agreement"):
         assert math.isclose(got["metrics"][name], want["metrics"][name], rel_tol=1e-5, abs_tol=1e-9), name
+    # every token of every replayed layer went to the sampler's (random) experts, on every layout's routers
+    assert got["metrics"]["forced experts"] == 1.0 and want["metrics"]["forced experts"] == 1.0
     assert 0 < want["metrics"]["is_corrected"] < 1  # TIS truncates some tokens, not all
     # random replayed experts: the router's own top-2 of 8 agrees with about a quarter of them
     assert 0.05 < want["metrics"]["routing replay agreement"] < 0.6
