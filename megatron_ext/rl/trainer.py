@@ -46,8 +46,8 @@ from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, referen
 from megatron_ext.rl.types import Group, TrainingSample
 from megatron_ext.training import checkpointing
 from megatron_ext.training.checkpointing import load_checkpoint, load_weights, read_tracker, save_checkpoint
-from megatron_ext.training.loop import TrainingAborted, _Logger, _Sigterm, print_args
-from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
+from megatron_ext.training.loop import SigtermWatcher, TrainingAborted, TrainingLogger, print_args
+from megatron_ext.training.step import build_model, build_scheduler, run_schedule, setup_model_and_optimizer, \
     train_step
 from megatron_ext.rl.workers import FleetConfig
 
@@ -123,7 +123,7 @@ def logprob_pass(model, mbs: list[dict], args, routing_replay: bool,
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        out = _run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay,
+        out = run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay,
                                     temperature=temperature), iter(mbs),
                             model, args, len(mbs), forward_only=True)
     for chunk in model:
@@ -560,8 +560,8 @@ class RLTrainer:
     def train(self) -> int:
         args, cfg, log = self.args, self.cfg, self.log
         print_args(args, log)
-        logger = _Logger(args, log)
-        sigterm = self._sigterm = _Sigterm()
+        logger = TrainingLogger(args, log)
+        sigterm = self._sigterm = SigtermWatcher()
         saved_at = self.iteration if args.load else None
         skipped_total = skipped_in_row = 0
         eval_log = os.path.join(cfg.log_dir, EVAL) if cfg.log_dir and self.rank == 0 else None

@@ -40,8 +40,9 @@ def print_args(args: argparse.Namespace, log=print):
         log("------------------- end of architecture -------------------")
 
 
-class _Sigterm:
-    """Remembers a SIGTERM (SLURM preemption) so the loop can save and exit cleanly at the next step boundary."""
+class SigtermWatcher:
+    """Remembers a SIGTERM (SLURM preemption) so a loop (this one, RL's) can save and exit cleanly at the next step
+    boundary; `any_rank()` agrees on it over all ranks, `restore()` puts the previous handler back."""
 
     def __init__(self):
         self.received = False
@@ -67,8 +68,9 @@ def _inject_nan(forward_step_func: Callable) -> Callable:
     return forward_step
 
 
-class _Logger:
-    """Megatron-shaped lines every --log-interval iterations; the same scalars to TensorBoard every iteration."""
+class TrainingLogger:
+    """Megatron-shaped lines every --log-interval iterations; the same scalars to TensorBoard every iteration.
+    Shared by every training loop (pretraining, RL) so their logs read alike: `step`, `scalar`, `writer`, `close`."""
 
     def __init__(self, args: argparse.Namespace, log):
         self.args, self.log = args, log
@@ -144,8 +146,8 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
     if args.load:
         iteration, _ = load_checkpoint(args, model, optimizer, scheduler, log=log)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    logger = _Logger(args, log)
-    sigterm = _Sigterm()
+    logger = TrainingLogger(args, log)
+    sigterm = SigtermWatcher()
 
     def save(iteration: int):
         t = time.perf_counter()
