@@ -22,15 +22,20 @@ TINY = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
+def command(flags, nproc=1):
+    """rl_composer.py with `flags`, under torchrun for more than one rank."""
+    if nproc > 1:
+        return [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--standalone", "rl_composer.py", *flags]
+    return [sys.executable, "-W", "ignore", "rl_composer.py", *flags]
+
+
 def _run(flags, fault=None, nproc=1, check=True):
     env = dict(ENV)
     env.pop("MEGATRON_EXT_RL_FAULT", None)
     if fault:
         env["MEGATRON_EXT_RL_FAULT"] = fault
-    cmd = [sys.executable, "-W", "ignore", "rl_composer.py", *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", "rl_composer.py", *flags]
+    cmd = command(flags, nproc)
     # own session: a SIGKILLed trainer leaves checkpoint-writer children behind, which the group kill removes
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)

@@ -3,7 +3,6 @@ device ones fails. Run on the meta device, where any tensor built on the host (o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

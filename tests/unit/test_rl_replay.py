@@ -4,7 +4,6 @@ replay action is ignored (the agreement metric alone does not: it is computed wh
 
 from __future__ import annotations
 
-from functools import partial
 
 import numpy as np
 import pytest

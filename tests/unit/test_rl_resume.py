@@ -5,11 +5,9 @@ checkpoint. The kills are kill -9 of the whole process tree from outside (torchr
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -19,9 +17,7 @@ from megatron_ext.rl.env import digit_tasks, write_prompts
 from megatron_ext.rl.ledger import trained_counts
 from megatron_ext.training.checkpointing import read_tracker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "4",
-        "--grpo-group-size", "4", "--grpo-prompts-per-step", "2", "--grpo-max-response-length", "8", "--lr", "1e-3"]
+from tests.unit.test_rl_composer import ENV, ROOT, TINY, _jsonl, command
 
 
 def _descendants(pid: int) -> list[int]:
@@ -65,15 +61,12 @@ def kill_tree(pid: int):
 def run(flags, tmp_path, fault=None, nproc=1, timeout=600):
     """rl_composer.py with `flags`; with `fault` (POINT:ITERATION) the run is killed -9, whole tree, once every rank
     reached that point. Returns (returncode, stdout, stderr)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = dict(ENV)
     env.pop("MEGATRON_EXT_RL_FAULT", None)
     marker = str(tmp_path / f"fault-{time.monotonic_ns()}")
     if fault:
         env.update(MEGATRON_EXT_RL_FAULT=fault, MEGATRON_EXT_RL_FAULT_WAIT=marker)
-    cmd = [sys.executable, "-W", "ignore", "rl_composer.py", *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", "rl_composer.py", *flags]
+    cmd = command(flags, nproc)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -89,10 +82,6 @@ def run(flags, tmp_path, fault=None, nproc=1, timeout=600):
         out.seek(0)
         err.seek(0)
         return proc.returncode, out.read(), err.read()
-
-
-def _jsonl(path):
-    return [json.loads(line) for line in open(path)]
 
 
 def _requeued_run(tmp_path, kills, nproc=1):
