@@ -109,11 +109,15 @@ class _MainLogits:
         wanted = self.keep or self.temperature != 1.0
         self.handle = self.model.output_layer.register_forward_hook(self._hook) \
             if wanted and getattr(self.model, "post_process", False) else None
+        if self.handle is not None and hasattr(self.model, "main_logits_temperature"):
+            self.model.main_logits_temperature = self.temperature  # MTP distils from the undivided logits
         return self
 
     def __exit__(self, *exc):
         if self.handle is not None:
             self.handle.remove()
+            if hasattr(self.model, "main_logits_temperature"):
+                self.model.main_logits_temperature = 1.0
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

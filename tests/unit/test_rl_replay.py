@@ -92,3 +92,28 @@ def test_reference_pass_uses_the_reference_models_own_routing(model):
         own, replayed = _logprobs(model, mb, replay=False), _logprobs(model, mb, replay=True)
     ref = reference_logprobs(model, [mb], model.args)[0].view(-1)
     assert torch.allclose(ref, own, atol=1e-6) and not torch.allclose(ref, replayed, atol=1e-3)
+
+
+def test_sampling_temperature_divides_the_scored_logits_but_not_the_mtp_teacher(model):
+    """At temperature T the RL forward scores labels under logits / T; the MTP layers keep distilling from the
+    policy's own logits (their loss is the same at any T)."""
+    from megatron_ext.mtp import distill
+    from megatron_ext.rl.loss import LossConfig
+
+    cfg = model.config
+    assert cfg.mtp_num_layers
+    mb = _micro_batch(len(rl_forward._decoder_routers(model)), cfg.moe_router_topk, cfg.num_moe_experts)
+    out = {}
+    model.train()  # the MTP losses are recorded in training forwards
+    try:
+        for t in (1.0, 0.5):
+            with torch.no_grad():
+                output, _ = rl_forward.forward_step(LossConfig(), 1.0, iter([mb]), model, temperature=t)
+            out[t] = (-output.view(-1), distill.pop_metrics(1))
+    finally:
+        model.eval()
+    rl_forward._SUMS.clear()
+    rl_forward._MAX.clear()
+    mask = mb["loss_mask"].view(-1).bool()
+    assert (out[1.0][0] - out[0.5][0])[mask].abs().max() > 1e-2
+    assert out[0.5][1] and out[0.5][1] == pytest.approx(out[1.0][1], rel=1e-5)
