@@ -886,6 +886,7 @@ class _Batch:
         self.top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float64, device=dev)
         self.greedy = torch.tensor(greedy, dtype=torch.bool, device=dev)
         self.routing_steps: list[tuple[torch.Tensor, list[int]]] = []  # ([rows, moe layers, topk], row ids)
+        self.reencoded: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (prefix routing, first step after it)
 
     def run(self) -> list[Completion]:
         eng, dev = self.engine, self.engine.device
@@ -936,7 +937,7 @@ class _Batch:
                 lengths = lengths.index_select(0, keep)
                 in_cache = forward
             if eng.between_steps is not None and eng.between_steps():
-                cache = self._reencode(forward, max_len)
+                cache = self._reencode(forward, max_len, record)
                 self.version = eng.weights_version
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
             routing = [] if record else None
@@ -954,17 +955,31 @@ class _Batch:
         self._finish()
         return self.out
 
-    def _reencode(self, rows: list[int], max_len: int) -> LatentCache:
+    def _reencode(self, rows: list[int], max_len: int, record: bool) -> LatentCache:
         """A cache of `rows` (prompt and generated tokens but the newest, which the next step feeds) computed
-        with the current weights: after an in-flight update no latent of the old weights stays in use."""
+        with the current weights: after an in-flight update no latent or recurrent state of the old weights stays
+        in use. Right-padding is marked `valid` (a KDA state must not absorb it), and with routing recorded the
+        rows' experts so far are replaced by the ones the current weights chose here, so that the routing of every
+        position matches the cache the later tokens attend to."""
         eng = self.engine
         seqs = [self.out[r].prompt_ids + self.out[r].token_ids[:-1] for r in rows]
-        width = max(len(s) for s in seqs)
+        lens = [len(s) for s in seqs]
+        width = max(lens)
         cache = eng.new_cache(len(eng.layers), len(rows), max_len)
         tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=eng.device)
         positions = torch.arange(width, device=eng.device).unsqueeze(0).expand(len(rows), -1).contiguous()
-        eng.hidden(tokens, positions, cache, torch.zeros(len(rows), dtype=torch.long, device=eng.device))
-        eng.prefill_tokens += sum(len(s) for s in seqs)
+        valid = None
+        if min(lens) != width:
+            valid = positions < torch.tensor(lens, device=eng.device).unsqueeze(1)
+        routing = [] if record else None
+        eng.hidden(tokens, positions, cache, torch.zeros(len(rows), dtype=torch.long, device=eng.device), routing,
+                   valid)
+        eng.prefill_tokens += sum(lens)
+        if record:
+            table = torch.stack(routing, dim=1).view(width, len(rows), len(routing), -1).to(torch.int16)
+            for i, r in enumerate(rows):
+                if self.want_routing[r]:  # from the next decode step on, routing_steps continue this prefix
+                    self.reencoded[r] = (table[: lens[i], i], len(self.routing_steps))
         return cache
 
     def _sample(self, logits: torch.Tensor, active: list[int]) -> list[tuple[int, float, float]]:
@@ -1006,8 +1021,11 @@ class _Batch:
             steps = [(t.cpu(), {r: i for i, r in enumerate(rows)}) for t, rows in self.routing_steps]
             for r, c in enumerate(self.out):
                 if self.want_routing[r]:
-                    parts = [prompt[: len(c.prompt_ids), self.prompt_of[r]]]
-                    parts += [t[where[r]].unsqueeze(0) for t, where in steps if r in where]
+                    parts, first = [prompt[: len(c.prompt_ids), self.prompt_of[r]]], 0
+                    if r in self.reencoded:
+                        prefix, first = self.reencoded[r]
+                        parts = [prefix.cpu()]
+                    parts += [t[where[r]].unsqueeze(0) for t, where in steps[first:] if r in where]
                     c.routing = torch.cat(parts)
         for c in self.out:
             if c.text is None and eng.detokenize is not None:

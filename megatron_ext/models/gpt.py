@@ -30,6 +30,9 @@ class ComposerGPTModel(GPTModel):
         if self.own_mtp_path:
             self.config.mtp_loss_scaling_factor = 0.0  # Megatron's MTP cross-entropy: logged, not trained
         self._observed_logits = None
+        # RL scores tokens at the sampling temperature by dividing the main head's logits (rl/forward.py) and sets
+        # this while it does: the MTP layers' self-distillation teacher stays the policy's own distribution
+        self.main_logits_temperature = 1.0
 
     def compute_language_model_loss(self, labels, logits):
         if self._observed_logits is not None:
@@ -62,6 +65,8 @@ class ComposerGPTModel(GPTModel):
         try:
             output = super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
             main_logits = self._observed_logits[-1]
+            if self.main_logits_temperature != 1.0:
+                main_logits = main_logits * self.main_logits_temperature
         finally:
             self._observed_logits = None
             for hook in hooks:

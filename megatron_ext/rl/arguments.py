@@ -40,9 +40,10 @@ def add_rl_args(parser: argparse.ArgumentParser):
                    help="constant: token sums / --grpo-max-response-length (Dr.GRPO); token-mean; sequence-mean")
     g.add_argument("--rl-advantage-std-normalize", action="store_true",
                    help="divide advantages by the group's reward std (GRPO; off in the recipe)")
-    g.add_argument("--rl-importance-sampling", default="none", choices=IS_MODES,
+    g.add_argument("--rl-importance-sampling", default=None, choices=IS_MODES,
                    help="correction to the sampler's log-probabilities: truncated (TIS), IcePop band mask, "
-                        "sequence-level truncated")
+                        "sequence-level truncated (default: tis with --rl-max-staleness > 0, where tokens come "
+                        "from older weights; none when rollouts are on-policy)")
     g.add_argument("--rl-importance-sampling-truncation-coef", type=float, default=2.0,
                    help="cap C of the TIS and sequence-level weights")
     g.add_argument("--rl-icepop-band", type=float, nargs=2, default=[0.5, 2.0], metavar=("LOW", "HIGH"),
@@ -176,18 +177,30 @@ def validate_rl_args(args: argparse.Namespace):
         fail("--ray-address and --rl-max-staleness apply to rollout workers: add --rl-rollout-workers N")
     if args.rl_temperature <= 0:
         fail("--rl-temperature must be positive: RL samples; greedy decoding gives every group one answer")
+    if (args.rl_top_k or args.rl_top_p < 1.0) and not args.rl_sft_warmup:
+        fail(f"--rl-top-k {args.rl_top_k} / --rl-top-p {args.rl_top_p}: a truncated sampling distribution gives "
+             "the excluded tokens no probability, so the trainer's log-probabilities (and the importance ratio and "
+             "KL) would not be the sampler's; train with --rl-top-k 0 --rl-top-p 1 (--rl-temperature is supported: "
+             "the trainer divides its logits by it)")
 
 
 def loss_config(args: argparse.Namespace) -> LossConfig:
     try:
         return LossConfig(kl_beta=args.grpo_kl_beta, kl_estimator=args.rl_kl_estimator,
                           clamp_eps_lower=args.grpo_clamp_eps_lower, clamp_eps_upper=args.grpo_clamp_eps_upper,
-                          importance_sampling=args.rl_importance_sampling,
+                          importance_sampling=importance_sampling(args),
                           is_truncation_coef=args.rl_importance_sampling_truncation_coef,
                           icepop_low=args.rl_icepop_band[0], icepop_high=args.rl_icepop_band[1],
                           entropy_weight=args.grpo_entropy_term_weight)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+
+
+def importance_sampling(args: argparse.Namespace) -> str:
+    """--rl-importance-sampling, or its default: TIS when samples may be stale (docs/design-notes.md, issue 24)."""
+    if args.rl_importance_sampling is not None:
+        return args.rl_importance_sampling
+    return "tis" if args.rl_max_staleness > 0 else "none"
 
 
 def fleet_config(args: argparse.Namespace):

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from megatron_ext import platform
 from megatron_ext.data.sft import packed_batch
 from megatron_ext.models import context_parallel
 from megatron_ext.mtp import distill
@@ -56,20 +57,24 @@ def pop_metrics() -> dict[str, float]:
         dist.all_gather_object(gathered, box[0])
         names = sorted({n for g in gathered for n in g[0]})
         names_max = sorted({n for g in gathered for n in g[1]})
-    sums = torch.stack([_SUMS.get(n, torch.zeros(2, dtype=torch.float64)) for n in names]) if names else None
-    maxes = torch.stack([_MAX.get(n, torch.zeros((), dtype=torch.float64)) for n in names_max]) if names_max \
-        else None
+    device = platform.device()  # the process group's (NCCL takes no host tensors), also for names absent here
+    zeros = torch.zeros(2, dtype=torch.float64, device=device)
+    sums = torch.stack([_SUMS.get(n, zeros).to(device) for n in names]) if names else None
+    maxes = torch.stack([_MAX.get(n, zeros[0]).to(device) for n in names_max]) if names_max else None
     out = {}
     if sums is not None:
         # tensor-parallel ranks hold the same loss values: count each data/context/pipeline slot once; routers
         # under sequence parallelism see different tokens on each tensor-parallel rank: count them all
         if parallel_state.get_tensor_model_parallel_rank() != 0:
-            sums = sums * torch.tensor([[float(n in TP_SPLIT_METRICS)] for n in names], dtype=sums.dtype)
+            sums = sums * torch.tensor([[float(n in TP_SPLIT_METRICS)] for n in names], dtype=sums.dtype,
+                                       device=device)
         dist.all_reduce(sums)
-        out.update({n: float(s[0] / s[1]) if s[1] > 0 else 0.0 for n, s in zip(names, sums)})
     if maxes is not None:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        out.update({n: float(v) for n, v in zip(names_max, maxes)})
+    if sums is not None:  # to the host once, after both reductions
+        out.update({n: s / c if c > 0 else 0.0 for n, (s, c) in zip(names, sums.tolist())})
+    if maxes is not None:
+        out.update(zip(names_max, maxes.tolist()))
     _SUMS.clear()
     _MAX.clear()
     return out
@@ -77,12 +82,15 @@ def pop_metrics() -> dict[str, float]:
 
 class _MainLogits:
     """Captures the main head's logits from the output layer (call number `index` of a forward: Megatron-Core's
-    GPTModel runs its MTP heads first, then the main head). The consumer gets a copy, because Megatron-Core's
+    GPTModel runs its MTP heads first, then the main head), divided by the sampling temperature: the trainer's
+    log-probabilities are then those of the distribution the sampler drew from (as verl divides its logits), so the
+    importance ratio and k1 compare like with like. The consumer gets a copy, because Megatron-Core's
     vocabulary-parallel cross-entropy overwrites its input."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, temperature: float = 1.0, keep: bool = True):
         self.model = getattr(model, "module", model)
         self.index = self.model.config.mtp_num_layers or 0
+        self.temperature, self.keep = temperature, keep
         self.calls, self.logits = 0, None
 
     def _hook(self, module, inputs, output):
@@ -90,17 +98,26 @@ class _MainLogits:
         if k != self.index:
             return None
         logits, bias = output
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if not self.keep:
+            return logits, bias
         self.logits = logits
         return logits.clone(), bias
 
     def __enter__(self):
+        wanted = self.keep or self.temperature != 1.0
         self.handle = self.model.output_layer.register_forward_hook(self._hook) \
-            if getattr(self.model, "post_process", False) else None
+            if wanted and getattr(self.model, "post_process", False) else None
+        if self.handle is not None and hasattr(self.model, "main_logits_temperature"):
+            self.model.main_logits_temperature = self.temperature  # MTP distils from the undivided logits
         return self
 
     def __exit__(self, *exc):
         if self.handle is not None:
             self.handle.remove()
+            if hasattr(self.model, "main_logits_temperature"):
+                self.model.main_logits_temperature = 1.0
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -223,8 +240,10 @@ def local_batch(micro_batch: dict):
     return batch, routing, packed_seq_params, bounds
 
 
-def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_replay: bool = False):
-    """Megatron schedule forward step for packed RL micro-batches (see module doc for `scale`)."""
+def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_replay: bool = False,
+                 temperature: float = 1.0):
+    """Megatron schedule forward step for packed RL micro-batches (see module doc for `scale`); log-probabilities
+    under the sampling `temperature`."""
     batch, routing, packed_seq_params, bounds = local_batch(next(data_iterator))
     if routing_replay:
         if routing is None:
@@ -233,7 +252,7 @@ def forward_step(cfg: LossConfig, scale: float, data_iterator, model, routing_re
         if context_parallel.cp_size() > 1:
             routing = routing.index_select(0, context_parallel.local_index(bounds).to(routing.device))
         set_replay(model, routing, valid=batch["sample_ids"].view(-1) >= 0)
-    capture = _MainLogits(model)
+    capture = _MainLogits(model, temperature)
     with capture:
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
@@ -248,15 +267,16 @@ def logprob_loss_func(batch: dict, output_tensor: torch.Tensor):
     return torch.zeros(()), torch.ones((), dtype=torch.int), {"logprobs": logp}
 
 
-def logprob_forward_step(data_iterator, model, routing_replay: bool = False):
+def logprob_forward_step(data_iterator, model, routing_replay: bool = False, temperature: float = 1.0):
     batch, routing, packed_seq_params, bounds = local_batch(next(data_iterator))
     if routing_replay and routing is not None:
         routing = routing.reshape(-1, *routing.shape[2:])
         if context_parallel.cp_size() > 1:
             routing = routing.index_select(0, context_parallel.local_index(bounds).to(routing.device))
         set_replay(model, routing)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
+    with _MainLogits(model, temperature, keep=False):
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
     if routing_replay and routing is not None:
         set_replay(model, None)
     return output, partial(logprob_loss_func, batch)

@@ -20,6 +20,7 @@ from megatron_ext.rl.types import Group, Reward, Rollout, Segment
 
 TRAINED = "trained_groups.jsonl"
 ROLLOUTS = "rollouts.jsonl"
+EVAL = "eval.jsonl"
 
 
 def group_to_json(g: Group) -> dict:
@@ -128,39 +129,55 @@ class Ledger:
                                 "sequence_index": r.sequence_index, "finish_reason": r.finish_reason, "token_ids": t["token_ids"].tolist(),
                                 "loss_mask": t["loss_mask"].astype(int).tolist(),
                                 "logprobs": [round(float(x), 6) for x in t["logprobs"]],
+                                "sampled_logprobs": [round(float(x), 6) for x in t["sampled_logprobs"]],
                                 "versions": t["versions"].tolist(),
                                 "reward": r.reward.total, "reward_parts": r.reward.parts,
                                 "reward_error": r.reward.error})
         self._append(ROLLOUTS, records)
 
     def log_trained(self, step: int, groups: list[Group]):
-        self._append(TRAINED, [{"prompt_id": g.prompt_id, "step": step,
-                                "policy_versions": sorted({v for r in g.rollouts for v in r.versions}),
-                                "rewards": g.rewards, "advantages": g.advantages} for g in groups])
+        """One line per group; with the k1 KL in the reward also each rollout's k1 sum and penalised reward, so
+        that advantages = penalised rewards - their group mean can be checked from the log."""
+        records = []
+        for g in groups:
+            record = {"prompt_id": g.prompt_id, "step": step,
+                      "policy_versions": sorted({v for r in g.rollouts for v in r.versions}),
+                      "rewards": g.rewards, "advantages": g.advantages}
+            if g.k1_sums is not None:
+                record.update(k1_sums=g.k1_sums, penalised_rewards=g.penalised_rewards)
+            records.append(record)
+        self._append(TRAINED, records)
 
-    def reconcile(self, iteration: int):
-        """Drop log lines of steps after `iteration` (the checkpoint resumed from) and any torn last line."""
+    def reconcile(self, iteration: int) -> dict[str, int]:
+        """Make the logs those of the checkpoint resumed from (`iteration`; 0: a fresh start), on every start:
+        drop lines of steps after it, the evaluations it will repeat (a fresh start evaluates iteration 0 again)
+        and any torn last line. Returns the number of lines dropped per file."""
+        dropped = {}
         if not self.log_dir:
-            return
-        for name in (TRAINED, ROLLOUTS):
+            return dropped
+        for name, key, last in ((TRAINED, "step", iteration), (ROLLOUTS, "step", iteration),
+                                (EVAL, "iteration", iteration if iteration > 0 else -1)):
             path = os.path.join(self.log_dir, name)
             if not os.path.exists(path):
                 continue
-            kept = []
+            kept, dropped[name] = [], 0
             with open(path) as f:
                 for line in f:
                     try:
                         record = json.loads(line)
                     except ValueError:
-                        continue
-                    if record.get("step", 0) <= iteration:
+                        record = None
+                    if isinstance(record, dict) and record.get(key, 0) <= last:
                         kept.append(line if line.endswith("\n") else line + "\n")
+                    else:
+                        dropped[name] += 1
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 f.writelines(kept)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        return dropped
 
 
 def trained_counts(log_dir: str) -> dict[str, int]:

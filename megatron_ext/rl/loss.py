@@ -9,6 +9,7 @@ log p_old the policy's before this step's first update (= log p detached when --
     term   = policy + beta * k(log p, log p_ref)   (k2 or k3 in the loss; k1 goes into the reward instead)
                     - c_ent * H_t                   (optional entropy bonus)
     loss   = sum_t a_t term_t                       a_t: aggregation weight (constant, token-mean, sequence-mean)
+             constant: a_t = 1 / (prompts per step x group size x L_max), a constant of the configuration
 
 The aggregation weight is computed from the whole step's batch before it is split into micro-batches and ranks
 (`aggregation_weights`), so the loss is the same under any DP/CP/PP layout. Advantages live in advantage.py.
@@ -91,15 +92,22 @@ def policy_term(logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Ten
     return -weight.detach() * surrogate, (clipped < unclipped).float()
 
 
-def aggregation_weights(mode: str, masks: list[np.ndarray], max_response_length: int) -> list[np.ndarray]:
+def aggregation_weights(mode: str, masks: list[np.ndarray], max_response_length: int,
+                        episodes: int | None = None) -> list[np.ndarray]:
     """Per-token weights a_t of every sample of a step (masks: the loss mask of each, over the whole step).
 
-    constant (Dr.GRPO): 1 / (N L_max); token-mean: 1 / (total masked tokens); sequence-mean: 1 / (N |o_i|)."""
+    constant (Dr.GRPO): 1 / (E L_max) with E = `episodes`, the configuration's episodes per step (prompts per step
+    x group size), not the number of sequences at hand: a partial last step, groups pending from a checkpoint or
+    self-summarisation chains (several sequences per episode) must not rescale every token's gradient.
+    token-mean: 1 / (total masked tokens); sequence-mean: 1 / (N |o_i|)."""
     n = len(masks)
     if mode == "constant":
         if max_response_length <= 0:
             raise ValueError("--grpo-max-response-length must be positive for the constant aggregation")
-        return [m / (n * max_response_length) for m in masks]
+        if not episodes or episodes < 1:
+            raise ValueError("the constant aggregation needs the episodes per step (--grpo-prompts-per-step x "
+                             "--grpo-group-size)")
+        return [m / (episodes * max_response_length) for m in masks]
     if mode == "token-mean":
         total = max(sum(float(m.sum()) for m in masks), 1.0)
         return [m / total for m in masks]

@@ -34,19 +34,20 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megatron_ext import platform
 from megatron_ext.mtp import distill
 from megatron_ext.rl import forward as rl_forward
-from megatron_ext.rl.advantage import group_advantages, is_zero_advantage, kl_penalised
+from megatron_ext.rl.advantage import is_zero_advantage
 from megatron_ext.rl.batch import micro_batches, rows_needed
 from megatron_ext.rl.env import Environment
-from megatron_ext.rl.ledger import Ledger
+from megatron_ext.rl.ledger import EVAL, Ledger
 from megatron_ext.rl.loss import LossConfig, aggregation_weights
 from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, reference_groups, run_groups
 from megatron_ext.rl.types import Group, TrainingSample
 from megatron_ext.training import checkpointing
-from megatron_ext.training.checkpointing import load_checkpoint, load_weights, save_checkpoint
-from megatron_ext.training.loop import TrainingAborted, _Logger, _Sigterm, print_args
-from megatron_ext.training.step import _run_schedule, build_model, build_scheduler, setup_model_and_optimizer, \
+from megatron_ext.training.checkpointing import load_checkpoint, load_weights, read_tracker, save_checkpoint
+from megatron_ext.training.loop import SigtermWatcher, TrainingAborted, TrainingLogger, print_args
+from megatron_ext.training.step import build_model, build_scheduler, run_schedule, setup_model_and_optimizer, \
     train_step
 from megatron_ext.rl.workers import FleetConfig
 
@@ -115,12 +116,15 @@ def _cleanup_trackers():
     distill.pop_metrics(1)
 
 
-def logprob_pass(model, mbs: list[dict], args, routing_replay: bool) -> list[Optional[torch.Tensor]]:
-    """Per micro-batch, this rank's label log-probabilities [1, T_local] (None off the last pipeline stage)."""
+def logprob_pass(model, mbs: list[dict], args, routing_replay: bool,
+                 temperature: float = 1.0) -> list[Optional[torch.Tensor]]:
+    """Per micro-batch, this rank's label log-probabilities [1, T_local] under the sampling temperature (None off
+    the last pipeline stage)."""
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        out = _run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay), iter(mbs),
+        out = run_schedule(partial(rl_forward.logprob_forward_step, routing_replay=routing_replay,
+                                    temperature=temperature), iter(mbs),
                             model, args, len(mbs), forward_only=True)
     for chunk in model:
         chunk.train()
@@ -130,18 +134,26 @@ def logprob_pass(model, mbs: list[dict], args, routing_replay: bool) -> list[Opt
     return [o["logprobs"] for o in out]
 
 
+def reference_logprobs(reference, mbs: list[dict], args, temperature: float = 1.0) -> list[Optional[torch.Tensor]]:
+    """log p_ref under the reference model's own routing, never the sampler's replayed experts: the KL penalty is
+    to the reference policy, and an MoE policy's distribution includes its router's choices; replaying the
+    sampler's experts would score the tokens with a mixture of the two models (docs/design-notes.md, issue 24)."""
+    return logprob_pass([reference], mbs, args, routing_replay=False, temperature=temperature)
+
+
 def k1_sums(mbs: list[dict], ref: list[Optional[torch.Tensor]], num_samples: int) -> np.ndarray:
     """Sum over each sample's model tokens of k1 = log p_sampler - log p_ref, every rank the same."""
-    total = torch.zeros(num_samples, dtype=torch.float64)
+    # on the process group's device (NCCL takes no host tensors); padding (id -1) adds 0 to sample 0, without a
+    # data-dependent boolean index (a host sync)
+    total = torch.zeros(num_samples, dtype=torch.float64, device=platform.device())
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for mb, lp in zip(mbs, ref):
             batch, _, _, _ = rl_forward.local_batch(mb)
             ids, mask = batch["sample_ids"].view(-1), batch["loss_mask"].view(-1)
-            k1 = (batch["sampler_logprobs"].view(-1).double() - lp.view(-1).double()) * mask
-            keep = ids >= 0
-            total.index_add_(0, ids[keep], k1[keep])
+            k1 = (batch["sampler_logprobs"].view(-1).double() - lp.view(-1).double().to(ids.device)) * mask
+            total.index_add_(0, ids.clamp(min=0).to(total.device), (k1 * (ids >= 0)).to(total.device))
     dist.all_reduce(total)  # data-parallel ranks hold different samples, CP ranks different tokens
-    return total.numpy()
+    return total.cpu().numpy()
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
@@ -163,11 +175,35 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
     return out
 
 
+def resume_own_save(args: argparse.Namespace) -> str:
+    """Where this run starts, decided before anything loads, and the log line saying it.
+
+    A run whose --save already holds a checkpoint resumes from it, whatever --load and --finetune say: a SLURM
+    requeue reruns the same command, and the run's own checkpoint carries the optimizer, schedule, RNG, ledger
+    and the reference policy's source (the --load it first started from). Otherwise the run starts from --load
+    (weights only with --finetune) or from initialisation."""
+    saved = read_tracker(args.save) if args.save else None
+    if saved is not None:
+        first = args.load
+        args.load, args.finetune = args.save, False
+        args.mtp_attach = False  # MTP layers attached at the run's start are in its own checkpoints
+        same = first is not None and os.path.abspath(first) == os.path.abspath(args.save)
+        start = "" if same else f"; --load {first} is not read (the run's checkpoint names its reference policy)" \
+            if first else ""
+        return f"RL: resuming this run from its own --save {args.save} (iteration {saved}){start}"
+    if args.load:
+        what = "weights only, iteration 0" if args.finetune else "weights, optimizer and iteration"
+        where = f"; nothing under --save {args.save} yet" if args.save else ""
+        return f"RL: starting from --load {args.load} ({what}){where}"
+    return "RL: starting from the initialised model (no --load, nothing under --save)"
+
+
 class RLTrainer:
     def __init__(self, args: argparse.Namespace, cfg: RLConfig, tasks: list[dict], make_env: Callable[[], Environment],
                  generate: Optional[GenerateFn] = None, log=print, backend_factory=None):
         self.args, self.cfg, self.tasks, self.make_env, self.log = args, cfg, tasks, make_env, log
         self.by_id = {t["id"]: t for t in tasks}
+        self.temperature = 1.0 if cfg.sft_warmup else cfg.sampling.temperature
         self.rank = dist.get_rank()
         self.model, self.optimizer = setup_model_and_optimizer(args)
         self.scheduler = build_scheduler(args, self.optimizer)
@@ -177,18 +213,22 @@ class RLTrainer:
             self.reference = build_model(args, wrap_ddp=False)[0]
             self._copy_weights(self.model, self.reference)  # the initial policy, unless loaded below
         self.iteration, self.reference_source = 0, "init"
+        log(resume_own_save(args), flush=True)
         if args.load:
             self.iteration, common = load_checkpoint(args, self.model, self.optimizer, self.scheduler, log=log)
             state = common.get("rl_state")
             if state is not None and self.iteration > 0:
                 self.ledger.load_state_dict(state)
                 self.reference_source = state.get("reference", "init")
-                if self.rank == 0:
-                    self.ledger.reconcile(self.iteration)
                 log(f"RL state: cursor {self.ledger.cursor}/{len(tasks)}, {len(self.ledger.in_flight)} prompts in "
                     f"flight, {len(self.ledger.pending)} finished groups pending")
             elif common:  # a run starting from a (pretrained / SFT) checkpoint: that is the reference
                 self.reference_source = args.load
+        if self.rank == 0:  # also at iteration 0: a run killed before its first checkpoint left lines behind
+            dropped = self.ledger.reconcile(self.iteration)
+            if any(dropped.values()):
+                log(f"RL logs: removed the lines of steps after iteration {self.iteration} (not in the checkpoint "
+                    "resumed from): " + ", ".join(f"{n} {k}" for k, n in dropped.items() if n), flush=True)
         if cfg.reference_load:
             self.reference_source = cfg.reference_load
         if self.reference is not None:
@@ -249,7 +289,8 @@ class RLTrainer:
                                          log=self.log)
         where = f" over {len(cfg.remote_servers)} remote server(s)" if cfg.remote_servers else ""
         self.log(f"asynchronous RL: {fc.workers} rollout workers{where}, --rl-max-staleness {fc.max_staleness}, "
-                 f"{ocfg.prompts_per_request} prompt(s) per request", flush=True)
+                 f"{ocfg.prompts_per_request} prompt(s) per request, importance correction of stale tokens: "
+                 f"{cfg.loss.importance_sampling} (--rl-importance-sampling)", flush=True)
 
     def _fleet_batch(self):
         """The orchestrator's groups for this step (rank 0), on every rank; "stop" when a SIGTERM arrived while
@@ -284,12 +325,14 @@ class RLTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def _samples(self, groups: list[Group]) -> list[TrainingSample]:
-        return [TrainingSample.from_rollout(r, a, gi) for gi, g in enumerate(groups)
+        tempered = self.temperature != 1.0  # the sampler's log q under the distribution it drew from
+        return [TrainingSample.from_rollout(r, a, gi, tempered) for gi, g in enumerate(groups)
                 for r, a in zip(g.rollouts, g.advantages)]
 
     def _micro_batches(self, samples: list[TrainingSample]):
         args, cfg = self.args, self.cfg
-        weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length)
+        weights = aggregation_weights(cfg.aggregation, [s.loss_mask for s in samples], cfg.max_response_length,
+                                      episodes=cfg.prompts_per_step * cfg.group_size)
         ids = list(range(len(samples)))
         per_rank = [ids[d::self.dp] for d in range(self.dp)]  # samples dealt round-robin: balanced ranks
         nmb = max(rows_needed([samples[i] for i in r], args.seq_length, args.micro_batch_size, self.pad_multiple)
@@ -309,24 +352,67 @@ class RLTrainer:
         return (layers, cfgm.moe_router_topk)
 
     def step(self) -> Optional[dict]:
+        """One RL step as its phases: rollouts (colocated, fleet or remote, one interface) -> reference pass and
+        advantages -> train (--grpo-iterations optimizer steps) -> publish the weights and log the groups.
+        None when every prompt is trained; {"stopped": True} when a SIGTERM arrived while waiting for rollouts."""
+        timers: dict[str, float] = {}
+        t_step = time.perf_counter()
+        batch = self._rollouts()
+        if batch is None or batch == "stop":
+            return None if batch is None else {"stopped": True}
+        groups, source = batch
+        fleet = self.cfg.fleet is not None
+        timers["generate"] = time.perf_counter() - t_step
+        sampled_tokens = sum(r.response_length for g in groups for r in g.rollouts)
+
+        t = time.perf_counter()
+        samples, mbs, nmb, scored = self._reference_and_advantages(groups)
+        timers["reference"] = time.perf_counter() - t
+        metrics = {**scored, **group_metrics(groups), **({} if fleet else source)}
+
+        t = time.perf_counter()
+        results = self._train(mbs, nmb)
+        metrics.update(rl_forward.pop_metrics())
+        timers["train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.iteration += 1
+        metrics.update(self.publish_weights())
+        timers["weight update"] = time.perf_counter() - t
+        self.ledger.log_trained(self.iteration, groups)
+        _fault("trained", self.iteration)  # logged as trained, not yet saved
+
+        trained_tokens = sum(int(s.loss_mask.sum()) for s in samples)
+        metrics.update({f"seconds {k}": v for k, v in timers.items()})
+        metrics["tokens/s sampled"] = sampled_tokens / max(timers["generate"], 1e-9)
+        metrics["tokens/s trained"] = trained_tokens / max(timers["train"], 1e-9)
+        metrics["groups"] = float(len(groups))
+        if fleet:
+            metrics.update(source)
+            metrics["trainer idle fraction"] = timers["generate"] / max(time.perf_counter() - t_step, 1e-9)
+        last = results[-1]
+        return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
+                "skipped": any(r["skipped"] for r in results)}
+
+    def _rollouts(self):
+        """The step's groups on every rank and their source's metrics: from the asynchronous fleet, else the
+        groups pending from a checkpoint plus this step's admitted prompts (reference answers in the SFT warm-up,
+        generated by the engine replicas or remote servers otherwise); rollouts are logged as they arrive.
+        None: nothing left to train; "stop": a SIGTERM arrived while rank 0 waited for the fleet."""
         args, cfg = self.args, self.cfg
-        timers, fleet_metrics, speculation = {}, {}, {}
-        t = t_step = time.perf_counter()
         if cfg.fleet is not None:
             if self.fleet is not None and os.environ.get(FAULT_ENV) == f"worker:{self.iteration}":
                 os.kill(self.fleet.worker_pid(0), signal.SIGKILL)  # kill -9 a rollout worker mid-rollout
             out = self._fleet_batch()
-            if out is None:
-                return None
-            if out == "stop":
-                return {"stopped": True}
+            if out is None or out == "stop":
+                return out
             groups, fleet_metrics = out
             _fault("generating", self.iteration)  # groups finished, not trained
             self.ledger.log_rollouts(self.iteration + 1, groups)
-            admitted = []
-        else:
-            admitted = self.ledger.admit(cfg.prompts_per_step)
-            groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
+            return groups, dict(fleet_metrics)
+        admitted = self.ledger.admit(cfg.prompts_per_step)
+        groups = list(self.ledger.take(len(self.ledger.pending)))  # pending from a checkpoint train first
+        speculation = {}
         if admitted and cfg.sft_warmup:
             new = reference_groups([self.by_id[p] for p in admitted], self.make_env)
             for g in new:
@@ -346,67 +432,51 @@ class RLTrainer:
             self.ledger.take(len(new))
             self.ledger.log_rollouts(self.iteration + 1, new)
             groups += new
-        if not groups:
-            return None
-        timers["generate"] = time.perf_counter() - t
-        sampled_tokens = sum(r.response_length for g in groups for r in g.rollouts)
+        return (groups, speculation) if groups else None
 
-        t = time.perf_counter()
+    def _reference_and_advantages(self, groups: list[Group]):
+        """(samples, this rank's micro-batches, micro-batch count, metrics): with a reference policy its
+        log-probabilities go into the micro-batches, and with the k1 estimator the KL is folded into each group's
+        rewards and advantages first (the micro-batches are then rebuilt with the new advantages)."""
+        cfg = self.cfg
         samples = self._samples(groups)
         mbs, nmb = self._micro_batches(samples)
         metrics = {}
-        if self.reference is not None and not cfg.sft_warmup:
-            ref = logprob_pass([self.reference], mbs, args, cfg.routing_replay)
-            if cfg.loss.kl_estimator == "k1":
-                sums = k1_sums(mbs, ref, len(samples))
-                k = 0
-                for g in groups:  # the KL of a chained episode is summed over its sequences
-                    n = len(g.rollouts)
-                    g.set_advantages(group_advantages(kl_penalised(g.episode_rewards(), g.episode_sums(sums[k:k + n]),
-                                                                   cfg.loss.kl_beta), cfg.std_normalize))
-                    k += n
-                metrics["k1 sequence sum"] = float(np.mean(sums))
-                samples = self._samples(groups)
-                mbs, nmb = self._micro_batches(samples)
-            for mb, lp in zip(mbs, ref):
-                if lp is not None:
-                    mb["ref_logprobs"] = lp
-        timers["reference"] = time.perf_counter() - t
-        metrics.update(group_metrics(groups))
-        metrics.update(speculation)
+        if self.reference is None or cfg.sft_warmup:
+            return samples, mbs, nmb, metrics
+        ref = reference_logprobs(self.reference, mbs, self.args, self.temperature)
+        if cfg.loss.kl_estimator == "k1":
+            sums = k1_sums(mbs, ref, len(samples))
+            k = 0
+            for g in groups:  # the KL of a chained episode is summed over its sequences
+                n = len(g.rollouts)
+                g.set_kl_penalty(sums[k:k + n], cfg.loss.kl_beta, cfg.std_normalize)
+                k += n
+            metrics["k1 sequence sum"] = float(np.mean(sums))
+            samples = self._samples(groups)
+            mbs, nmb = self._micro_batches(samples)
+        for mb, lp in zip(mbs, ref):
+            if lp is not None:
+                mb["ref_logprobs"] = lp
+        return samples, mbs, nmb, metrics
 
-        t = time.perf_counter()
+    def _train(self, mbs: list[dict], nmb: int) -> list[dict]:
+        """--grpo-iterations optimizer steps over the micro-batches (PPO-clipped against the pre-step policy when
+        more than one); the schedule advances once, counting RL steps. Returns each step's train_step result."""
+        args, cfg = self.args, self.cfg
         if cfg.iterations > 1:
-            for mb, lp in zip(mbs, logprob_pass(self.model, mbs, args, cfg.routing_replay)):
+            for mb, lp in zip(mbs, logprob_pass(self.model, mbs, args, cfg.routing_replay, self.temperature)):
                 if lp is not None:
                     mb["old_logprobs"] = lp
         scale = float(nmb * self.dp * self.cp)
-        results = []
-        for _ in range(cfg.iterations):
-            step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay)
-            results.append(train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb))
-            if not results[-1]["skipped"]:
-                self.scheduler.step(increment=args.global_batch_size)
-        metrics.update(rl_forward.pop_metrics())
-        timers["train"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self.iteration += 1
-        metrics.update(self.publish_weights())
-        timers["weight update"] = time.perf_counter() - t
-        self.ledger.log_trained(self.iteration, groups)
-        _fault("trained", self.iteration)  # logged as trained, not yet saved
-        trained_tokens = sum(int(s.loss_mask.sum()) for s in samples)
-        metrics.update({f"seconds {k}": v for k, v in timers.items()})
-        metrics["tokens/s sampled"] = sampled_tokens / max(timers["generate"], 1e-9)
-        metrics["tokens/s trained"] = trained_tokens / max(timers["train"], 1e-9)
-        metrics["groups"] = float(len(groups))
-        if cfg.fleet is not None:
-            metrics.update(fleet_metrics)
-            metrics["trainer idle fraction"] = timers["generate"] / max(time.perf_counter() - t_step, 1e-9)
-        last = results[-1]
-        return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
-                "skipped": any(r["skipped"] for r in results)}
+        step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay,
+                          temperature=self.temperature)
+        results = [train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb)
+                   for _ in range(cfg.iterations)]
+        if not all(r["skipped"] for r in results):
+            # the schedule counts RL steps (--train-iters): the k optimizer steps over one batch share its rate
+            self.scheduler.step(increment=args.global_batch_size)
+        return results
 
     def _speculation(self) -> dict[str, float]:
         """MTP drafts accepted / proposed since the last call, over every generation replica or remote request
@@ -516,11 +586,11 @@ class RLTrainer:
     def train(self) -> int:
         args, cfg, log = self.args, self.cfg, self.log
         print_args(args, log)
-        logger = _Logger(args, log)
-        sigterm = self._sigterm = _Sigterm()
+        logger = TrainingLogger(args, log)
+        sigterm = self._sigterm = SigtermWatcher()
         saved_at = self.iteration if args.load else None
         skipped_total = skipped_in_row = 0
-        eval_log = os.path.join(cfg.log_dir, "eval.jsonl") if cfg.log_dir and self.rank == 0 else None
+        eval_log = os.path.join(cfg.log_dir, EVAL) if cfg.log_dir and self.rank == 0 else None
         try:
             if cfg.eval_tasks and cfg.eval_interval and self.iteration == 0:
                 self._eval(logger, eval_log)
@@ -579,14 +649,24 @@ class RLTrainer:
 
 
 FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
+FAULT_WAIT_ENV = "MEGATRON_EXT_RL_FAULT_WAIT"
 
 
 def _fault(point: str, iteration: int):
     """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
     (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION (POINT `worker`: rank 0
-    kills rollout worker 0 instead, at the start of that step)."""
-    if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
+    kills rollout worker 0 instead, at the start of that step). With MEGATRON_EXT_RL_FAULT_WAIT=FILE it writes FILE
+    and waits there instead, for the test to kill -9 the whole process tree (torchrun and every rank) from outside,
+    as a SLURM preemption or a node failure does."""
+    if os.environ.get(FAULT_ENV) != f"{point}:{iteration}":
+        return
+    marker = os.environ.get(FAULT_WAIT_ENV)
+    if not marker:
         os.kill(os.getpid(), signal.SIGKILL)
+    with open(f"{marker}.{os.getpid()}", "w") as f:
+        f.write(f"{point}:{iteration}\n")
+    while True:
+        time.sleep(60)
 
 
 def _success(rollout) -> float:

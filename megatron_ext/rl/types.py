@@ -16,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext.rl.advantage import group_advantages, kl_penalised
+
 FINISH_REASONS = ("stop", "length", "error")
 
 
@@ -113,6 +115,8 @@ class Group:
     prompt_id: str
     rollouts: list[Rollout]
     advantages: Optional[list[float]] = None
+    k1_sums: Optional[list[float]] = None            # per rollout: sum over its model tokens of log q - log p_ref
+    penalised_rewards: Optional[list[float]] = None  # per rollout: its episode's reward - beta x the episode's k1
 
     @property
     def rewards(self) -> list[float]:
@@ -138,6 +142,15 @@ class Group:
             out[index[r.sample_index]] += v
         return out
 
+    def set_kl_penalty(self, k1_sums, beta: float, std_normalize: bool):
+        """Fold the k1 KL into the rewards (summed over an episode's sequences) and recompute the advantages,
+        keeping both for the logs: advantage = penalised reward - group mean is checkable from them."""
+        index = self._episodes()
+        penalised = kl_penalised(self.episode_rewards(), self.episode_sums(k1_sums), beta)
+        self.k1_sums = [float(v) for v in k1_sums]
+        self.penalised_rewards = [float(penalised[index[r.sample_index]]) for r in self.rollouts]
+        self.set_advantages(group_advantages(penalised, std_normalize))
+
     def set_advantages(self, episode_advantages):
         """Every sequence of an episode gets the episode's advantage."""
         index = self._episodes()
@@ -157,9 +170,13 @@ class TrainingSample:
     group_index: int = 0         # which group of the step, for group-level quantities (KL in the reward)
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, advantage: float, group_index: int = 0) -> "TrainingSample":
+    def from_rollout(cls, rollout: Rollout, advantage: float, group_index: int = 0,
+                     tempered: bool = False) -> "TrainingSample":
+        """`tempered`: the sampler's log-probabilities under the distribution it drew from (temperature != 1)
+        rather than the model's raw ones."""
         t = rollout.per_token()
-        return cls(t["token_ids"], t["loss_mask"], t["logprobs"], float(advantage), t["versions"],
+        logprobs = t["sampled_logprobs"] if tempered else t["logprobs"]
+        return cls(t["token_ids"], t["loss_mask"], logprobs, float(advantage), t["versions"],
                    rollout.routing, group_index)
 
     @property

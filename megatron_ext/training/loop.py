@@ -45,8 +45,10 @@ def print_args(args: argparse.Namespace, log=print):
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class _Sigterm:
-    """Remembers a preemption signal so the loop can save and exit cleanly at the next step boundary."""
+class SigtermWatcher:
+    """Remembers a preemption signal (SIGTERM, SLURM's SIGUSR1) so a loop (this one, RL's) can save and exit cleanly
+    at the next step boundary; `any_rank()` agrees on it over all ranks, `restore()` puts the previous handlers
+    back."""
 
     def __init__(self):
         self.received = False
@@ -75,8 +77,9 @@ def _inject_nan(forward_step_func: Callable) -> Callable:
     return forward_step
 
 
-class _Logger:
-    """Megatron-shaped lines every --log-interval iterations; the same scalars to TensorBoard every iteration."""
+class TrainingLogger:
+    """Megatron-shaped lines every --log-interval iterations; the same scalars to TensorBoard every iteration.
+    Shared by every training loop (pretraining, RL) so their logs read alike: `step`, `scalar`, `writer`, `close`."""
 
     def __init__(self, args: argparse.Namespace, log):
         self.args, self.log = args, log
@@ -152,8 +155,8 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
     if args.load:
         iteration, _ = load_checkpoint(args, model, optimizer, scheduler, log=log)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    logger = _Logger(args, log)
-    sigterm = _Sigterm()
+    logger = TrainingLogger(args, log)
+    sigterm = SigtermWatcher()
 
     def save(iteration: int):
         t = time.perf_counter()

@@ -99,6 +99,14 @@ def setup_model_and_optimizer(args: argparse.Namespace, init_fn=None):
     cfg = model[0].config
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = optimizer.scale_loss
+    if getattr(args, "overlap_grad_reduce", False):
+        # As Megatron-LM's training loop: the schedule runs all but the last micro-batch under no_sync, so DDP
+        # launches a bucket's reduce in the last backward whatever the step's micro-batch count (RL packs a
+        # different number each step); without it DDP counts gradient arrivals against the first step's count.
+        no_sync = [chunk.no_sync for chunk in model]
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        cfg.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        cfg.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
     return model, optimizer
 
 
@@ -113,7 +121,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=False)
+    outputs = run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=False)
     losses = step_losses(outputs, model[0].config, num_microbatches)
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
@@ -124,8 +132,9 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     return {"losses": losses, "grad_norm": grad_norm, "skipped": not finite}
 
 
-def _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches: int, forward_only: bool):
-    """Megatron-Core's schedule for this pipeline layout over the micro-batches of one global batch."""
+def run_schedule(forward_step_func, data_iterator, model, args, num_microbatches: int, forward_only: bool):
+    """Megatron-Core's schedule for this pipeline layout over the micro-batches of one global batch; public for
+    loops that run their own forward-only passes over a batch (RL's reference and old-policy log-probabilities)."""
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -152,7 +161,7 @@ def eval_step(forward_step_func: Callable, data_iterator: Iterator, model: list[
     """Forward-only losses over one global batch; auxiliary-loss trackers are left as they were found empty."""
     for chunk in model:
         chunk.eval()
-    outputs = _run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=True)
+    outputs = run_schedule(forward_step_func, data_iterator, model, args, num_microbatches, forward_only=True)
     for chunk in model:
         chunk.train()
     clear_aux_losses_tracker()

@@ -77,7 +77,7 @@ def test_sigterm_check_reduces_a_tensor_on_the_group_device(dense_args, monkeypa
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(platform, "device", lambda: torch.device("meta"))
-    sigterm = loop._Sigterm()
+    sigterm = loop.SigtermWatcher()
     try:
         with pytest.raises(RuntimeError, match="meta"):  # the meta flag cannot be read back; its device is what counts
             sigterm.any_rank()

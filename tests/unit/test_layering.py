@@ -26,9 +26,6 @@ PENDING_CYCLES: set[frozenset[str]] = {
 }
 PENDING_PRIVATE: set[tuple[str, str]] = {
     ("megatron_ext.training.checkpointing", "megatron_ext.arguments._ARCH_FLAGS"),
-    ("megatron_ext.rl.trainer", "megatron_ext.training.loop._Logger"),
-    ("megatron_ext.rl.trainer", "megatron_ext.training.loop._Sigterm"),
-    ("megatron_ext.rl.trainer", "megatron_ext.training.step._run_schedule"),
 }
 
 

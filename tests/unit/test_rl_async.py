@@ -49,6 +49,7 @@ def test_async_run_survives_a_killed_worker_and_trains_each_prompt_once(tmp_path
              fault="worker:1")
     out = p.stdout
     assert "asynchronous RL: 2 rollout workers, --rl-max-staleness 1" in out
+    assert "importance correction of stale tokens: tis (--rl-importance-sampling)" in out
     assert "worker 0 lost" in out and "prompt(s) requeued, worker restarted" in out
     assert "all 10 prompts of --rl-prompts trained once: stopping at iteration 5" in out
     for name in ("staleness mean", "staleness max", "samples spanning versions", "queue in flight",
@@ -106,6 +107,7 @@ def test_async_run_under_torchrun(tmp_path, no_ray_left):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
     assert "asynchronous RL: 2 rollout workers, --rl-max-staleness 1" in out
+    assert "importance correction of stale tokens: tis (--rl-importance-sampling)" in out
     assert "all 6 prompts of --rl-prompts trained once: stopping at iteration 3" in out
     staleness = [float(line.split("staleness max: ")[1].split()[0]) for line in out.splitlines()
                  if "staleness max" in line]

@@ -22,15 +22,20 @@ TINY = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
+def command(flags, nproc=1):
+    """rl_composer.py with `flags`, under torchrun for more than one rank."""
+    if nproc > 1:
+        return [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--standalone", "rl_composer.py", *flags]
+    return [sys.executable, "-W", "ignore", "rl_composer.py", *flags]
+
+
 def _run(flags, fault=None, nproc=1, check=True):
     env = dict(ENV)
     env.pop("MEGATRON_EXT_RL_FAULT", None)
     if fault:
         env["MEGATRON_EXT_RL_FAULT"] = fault
-    cmd = [sys.executable, "-W", "ignore", "rl_composer.py", *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", "rl_composer.py", *flags]
+    cmd = command(flags, nproc)
     # own session: a SIGKILLed trainer leaves checkpoint-writer children behind, which the group kill removes
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
@@ -98,6 +103,11 @@ def test_short_run_trains_each_group_once_with_parsed_rewards(tmp_path, nproc):
         by_prompt.setdefault(r["prompt_id"], []).append(r["reward"])
     for g in trained:
         assert g["rewards"] == pytest.approx(by_prompt[g["prompt_id"]])
+        # k1 in the reward (--grpo-kl-beta 0.001 by default): the advantages are auditable from the log
+        penalised = [r - 0.001 * k for r, k in zip(g["rewards"], g["k1_sums"])]
+        assert g["penalised_rewards"] == pytest.approx(penalised, abs=1e-12)
+        assert g["advantages"] == pytest.approx([p - sum(penalised) / len(penalised) for p in penalised], abs=1e-12)
+    assert max(abs(k) for g in trained for k in g["k1_sums"]) > 1e-3  # the policy moved from the reference
     evals = _jsonl(os.path.join(logs, "eval.jsonl"))
     assert [e["iteration"] for e in evals] == [0, 2]
     assert all(0 <= e["heldout success"] <= e["heldout pass@k"] <= 1 for e in evals)

@@ -131,7 +131,7 @@ def test_importance_statistics_count_corrected_tokens():
 
 def test_aggregation_weights():
     masks = [np.array([0, 1, 1, 0], np.float32), np.array([0, 0, 1, 1, 1, 1], np.float32)]
-    const = aggregation_weights("constant", masks, 8)
+    const = aggregation_weights("constant", masks, 8, episodes=2)
     assert [w.tolist() for w in const] == [[0, 1 / 16, 1 / 16, 0], [0, 0] + [1 / 16] * 4]
     tok = aggregation_weights("token-mean", masks, 8)
     assert sum(float((w * m).sum()) for w, m in zip(tok, masks)) == pytest.approx(1.0)
@@ -142,6 +142,20 @@ def test_aggregation_weights():
         aggregation_weights("mean", masks, 8)
 
 
+def test_constant_normaliser_is_a_constant_of_the_configuration():
+    """Dr.GRPO's 1 / (prompts x group size x L_max): a sample's token weights do not depend on how many sequences
+    the step holds (a partial last step, pending groups after a resume, self-summarisation chains)."""
+    rng = np.random.RandomState(0)
+    masks = [(rng.uniform(size=12) > 0.4).astype(np.float32) for _ in range(8)]
+    full = aggregation_weights("constant", masks, 10, episodes=8)
+    for n in (1, 3, 5, 11):  # fewer sequences than episodes, or more (chains)
+        part = aggregation_weights("constant", (masks * 2)[:n], 10, episodes=8)
+        assert all(np.array_equal(a, b) for a, b in zip(part, (full * 2)[:n]))
+    assert full[0].max() == pytest.approx(1 / 80)
+    with pytest.raises(ValueError, match="--grpo-group-size"):
+        aggregation_weights("constant", masks, 10)
+
+
 def test_advantages():
     assert group_advantages([1.0, 0.0, 0.0, 1.0]).tolist() == [0.5, -0.5, -0.5, 0.5]
     std = group_advantages([1.0, 0.0, 0.0, 1.0], std_normalize=True)
@@ -150,6 +164,22 @@ def test_advantages():
     assert not is_zero_advantage([0.3, 0.2])
     # k1 in the reward: r - beta * sum k1
     assert kl_penalised([1.0, 0.0], [2.0, -1.0], 0.1).tolist() == pytest.approx([0.8, 0.1])
+
+
+def test_importance_correction_defaults_to_tis_when_samples_may_be_stale():
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.rl.arguments import add_rl_args, loss_config
+
+    def mode(*flags):
+        args = parse_args(["--model", "tiny", "--rl-prompts", "p.jsonl", *flags], extra=[add_rl_args], world_size=1)
+        return loss_config(args).importance_sampling
+
+    stale = ["--rl-rollout-workers", "2", "--rl-max-staleness", "1"]
+    assert mode(*stale) == "tis"
+    assert mode("--rl-rollout-workers", "2") == "none"  # staleness 0: every token on-policy
+    assert mode() == "none"
+    assert mode(*stale, "--rl-importance-sampling", "none") == "none"  # an explicit choice stands
+    assert mode(*stale, "--rl-importance-sampling", "icepop") == "icepop"
 
 
 def test_bad_config_is_refused_with_the_flag_name():

@@ -187,8 +187,13 @@ def test_ledger_state_round_trip_and_log_reconcile(tmp_path):
     led.log_trained(2, groups[1:])
     with open(os.path.join(tmp_path, "trained_groups.jsonl"), "a") as f:
         f.write('{"prompt_id": "torn')
-    led.reconcile(1)
+    with open(os.path.join(tmp_path, "eval.jsonl"), "w") as f:
+        f.write('{"iteration": 0}\n{"iteration": 1}\n{"iteration": 2}\n')
+    assert led.reconcile(1) == {"trained_groups.jsonl": 2, "eval.jsonl": 1}
     assert trained_counts(str(tmp_path)) == {ids[0]: 1}
+    # a fresh start (killed before the first checkpoint) keeps nothing: iteration 0 is evaluated again
+    assert led.reconcile(0) == {"trained_groups.jsonl": 1, "eval.jsonl": 2}
+    assert trained_counts(str(tmp_path)) == {} and open(os.path.join(tmp_path, "eval.jsonl")).read() == ""
     with pytest.raises(ValueError, match="same prompt file"):
         Ledger(ids[:3]).load_state_dict(state)
     rt = group_from_json(group_to_json(groups[1]))
