@@ -506,7 +506,12 @@ class RLTrainer:
     def publish_weights(self) -> dict[str, float]:
         """Hand the new weights to the engine (in place; colocated it runs on the trainer's own parameters, so
         only the version moves) and tag later tokens with the new version; with rollout workers, publish them
-        to the fleet; with remote servers, as a versioned directory they reload."""
+        to the fleet; with remote servers, as a versioned directory they reload. Every rank calls it: with
+        --overlap-param-gather the parameters are gathered first, or rollouts would see one-step-stale shards."""
+        with checkpointing.params_gathered(self.model):
+            return self._publish_weights()
+
+    def _publish_weights(self) -> dict[str, float]:
         stats = {}
         if self.engine is not None:
             self.engine.update_weights(self.model, version=self.iteration)

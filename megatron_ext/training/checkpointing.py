@@ -164,8 +164,9 @@ def params_gathered(model):
     """Every rank's parameters hold the last step's update: with --overlap-param-gather the distributed optimizer
     updates only this rank's shard and leaves the all-gather to the next forward's hooks, so weights read right
     after a step mix updated and one-step-stale shards. As Megatron-LM around its saves: gather synchronously with
-    the hooks off, put them back afterwards."""
-    chunks = [c for c in model if getattr(c, "use_forward_hook", False)]
+    the hooks off, put them back afterwards. Re-entrant: an inner use (a save inside a publication) finds the hooks
+    already off and leaves them to the outer one."""
+    chunks = [c for c in model if getattr(c, "use_forward_hook", False) and c.remove_forward_pre_hook_handles]
     for chunk in chunks:
         chunk.disable_forward_pre_hook(param_sync=True)
     try:
