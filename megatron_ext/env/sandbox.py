@@ -271,6 +271,8 @@ class BubblewrapConfig:
     base_dir: Optional[str] = None            # host folder for sandbox copies; default: the system temp dir
     python: Optional[str] = sys.executable    # interpreter the commands use: its venv and base prefix are bound
     ro_binds: tuple = ()                      # more host paths bound read-only at the same place
+    binds: tuple = ()                         # (host path, sandbox path, writable) triples bound outside the
+    #                                           workspace: the grader's runner and report folders (grading.py)
     uid: int = 1000                           # user id inside the sandbox
 
 
@@ -324,6 +326,8 @@ class BubblewrapSandbox:
                  "--bind", self.tmp, "/tmp", "--bind", self.workspace, WORKDIR]
         for path in self._python_binds() + [os.path.abspath(p) for p in self.config.ro_binds]:
             argv += ["--ro-bind", path, path]
+        for host, inside, writable in self.config.binds:
+            argv += ["--bind" if writable else "--ro-bind", os.path.abspath(host), inside]
         path_dirs = ([os.path.dirname(os.path.abspath(self.config.python))] if self.config.python else []) + \
             ["/usr/local/bin", "/usr/bin", "/bin"]
         argv += ["--clearenv", "--setenv", "PATH", ":".join(path_dirs), "--setenv", "HOME", "/tmp",
