@@ -4,7 +4,8 @@ Parts (raw values; the weights turn penalties negative):
 
 * ``correctness``: 1 when every expected hidden test passed (grading.py: by test ids for pytest commands, by exit
   code otherwise), else 0; ``tests_fraction``: the fraction of expected tests that passed, from per-test
-  outcomes (never from printed output; equal to correctness under exit-code grading);
+  outcomes (never from printed output; equal to correctness under exit-code grading), paid only to an episode
+  that changed something (tests the untouched repository already passes are no reward for doing nothing);
 * ``style``: ruff diagnostics the change introduced on changed lines (a count of Python files, capped at
   STYLE_CAP), scored for correct episodes only: it ranks solutions, and must not make a wrong attempt score
   below doing nothing (the dodge below);
@@ -257,7 +258,7 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
         style = facts.style_violations if facts.style_violations is not None else style_violations(facts.changes)
     parts = {
         "correctness": correct,
-        "tests_fraction": float(facts.tests_fraction),
+        "tests_fraction": float(facts.tests_fraction) if facts.changes or correct else 0.0,
         "style": float(min(style, STYLE_CAP)),
         "communication": communication_part(facts, config["communication"]["concise_words"]),
         "invalid_calls": float(facts.invalid_calls),
