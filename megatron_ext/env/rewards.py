@@ -26,11 +26,11 @@ Parts (raw values; the weights turn penalties negative):
 Ordering (Cursor reported RL policies that emitted broken tool calls to dodge the penalty for bad edits, and
 stalled with needless clarifying questions): for every weights file within WEIGHT_RANGES, among episodes with the
 same length and call/todo counts, correct > wrong attempt >= no-op >= broken tool calls / stalling, where a wrong
-attempt changed files without forbidden edits and passes at least the expected tests the untouched repository
-passes. Why the ranges give it: correctness (>= 0.5) outweighs the most communication (0.2) plus the most style
-penalty (STYLE_CAP x 0.02 = 0.2); only changed episodes earn communication and only correct ones pay style;
-penalty weights are <= 0 and length counts >= 0, so more invalid calls or a longer stall never gain. A no-op's
-total is <= 0. check_config refuses weights outside the ranges.
+attempt changed files without forbidden edits. Why the ranges give it: correctness outweighs the most
+communication plus the most style penalty (the joint condition correctness > communication + STYLE_CAP x
+|style|); only changed episodes earn communication and tests_fraction, and only correct ones pay style; penalty
+weights are <= 0 and length counts >= 0, so more invalid calls or a longer stall never gain. A no-op's total is
+<= 0. check_config refuses weights outside the ranges.
 
 `WeightFile` holds the weights in a JSON file that may be edited while RL runs: it is re-read whenever its
 modification time changes, and each change is logged with the step at which it took effect.
@@ -63,10 +63,11 @@ DEFAULT_WEIGHTS = {
     "communication": {"concise_words": 120},
 }
 LENGTH_COUNTS = tuple(DEFAULT_WEIGHTS["length"]["counts"])
-# the documented ranges (inclusive) within which the ordering in the module docstring holds; check_config enforces
-WEIGHT_RANGES = {"correctness": (0.5, 2.0), "tests_fraction": (0.0, 1.0), "style": (-0.02, 0.0),
-                 "communication": (0.0, 0.2), "invalid_calls": (-0.2, 0.0), "unfinished_todos": (-0.2, 0.0),
-                 "repeated_calls": (-0.2, 0.0), "forbidden_edits": (-2.0, 0.0), "length": (-0.01, 0.0)}
+# the documented ranges (inclusive) of each weight, plus one joint condition, correctness > communication +
+# STYLE_CAP x |style|: within them the ordering in the module docstring holds; check_config enforces both
+WEIGHT_RANGES = {"correctness": (0.1, 10.0), "tests_fraction": (0.0, 10.0), "style": (-1.0, 0.0),
+                 "communication": (0.0, 10.0), "invalid_calls": (-10.0, 0.0), "unfinished_todos": (-10.0, 0.0),
+                 "repeated_calls": (-10.0, 0.0), "forbidden_edits": (-10.0, 0.0), "length": (-1.0, 0.0)}
 OTHER_RANGES = {"length.k": (1e-6, 1.0), "length.q": (0.0, 2.0), "length.counts": (0.0, 100.0),
                 "communication.concise_words": (1.0, 10000.0)}
 PARTS = tuple(DEFAULT_WEIGHTS["weights"])
@@ -314,6 +315,11 @@ def check_ranges(config: dict, where: str):
             raise ValueError(f"{where}: {key} = {value:g} is outside the documented range [{low:g}, {high:g}] "
                              "(megatron_ext/env/rewards.py WEIGHT_RANGES: outside it a no-op or a broken tool call "
                              "can outscore a wrong attempt, or a wrong attempt a correct one)")
+    w = config["weights"]
+    if not w["correctness"] > w["communication"] - STYLE_CAP * w["style"]:
+        raise ValueError(f"{where}: weights.correctness ({w['correctness']:g}) must exceed weights.communication "
+                         f"({w['communication']:g}) + {STYLE_CAP} x |weights.style| ({-w['style']:g}): otherwise a "
+                         "wrong attempt with a good message can outscore a correct solution")
 
 
 def override_weights(config: dict, items: list[str]) -> dict:

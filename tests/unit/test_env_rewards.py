@@ -97,7 +97,8 @@ def test_override_weights():
     assert out["weights"]["style"] == -0.01 and out["weights"]["length"] == 0.0
     assert DEFAULT_WEIGHTS["weights"]["style"] == -0.02  # the defaults are not modified
     for bad, message in (("style", "expected NAME=NUMBER"), ("style=x", "expected NAME=NUMBER"),
-                         ("styel=1", "unknown part"), ("style=-0.5", r"weights.style = -0.5 is outside")):
+                         ("styel=1", "unknown part"), ("style=-2", r"weights.style = -2 is outside"),
+                         ("style=-0.5", "must exceed")):
         with pytest.raises(ValueError, match=message):
             override_weights(DEFAULT_WEIGHTS, [bad])
 
@@ -123,8 +124,8 @@ def _facts(correct=False, fraction=P2P, changes=None, message=None, last_run=Non
 SCENARIOS = {
     # the worst a correct episode can score at these counts: no message, style past the cap
     "correct": _facts(correct=True, fraction=1.0, changes=CHANGE, style=STYLE_CAP + 7),
-    # the best a wrong attempt can score: 2 of 3 tests, a perfect message backed by a passing (visible) test run
-    "wrong_best": _facts(fraction=2 / 3, changes=CHANGE, message=GOOD_MESSAGE, last_run=True, style=40),
+    # the best a wrong attempt can score: all but one of many tests, a perfect message backed by a passing (visible) test run
+    "wrong_best": _facts(fraction=0.999, changes=CHANGE, message=GOOD_MESSAGE, last_run=True, style=40),
     # the worst wrong attempt in the ordering's class: no message, no more tests than the untouched repository
     "wrong_worst": _facts(changes=CHANGE, style=40),
     "noop": _facts(message="Fixed it; the tests pass."),
@@ -134,11 +135,10 @@ SCENARIOS = {
 }
 
 
-def _weights(rng):
-    config = {"weights": {k: rng.uniform(*r) for k, r in WEIGHT_RANGES.items()},
-              "length": {"k": rng.uniform(1e-4, 1.0), "q": rng.uniform(0, 2),
-                         "counts": {k: rng.uniform(0, 100) for k in COUNTS}}}
-    return check_config(config, "random")
+def _weights(rng) -> dict:
+    return {"weights": {k: rng.uniform(*r) for k, r in WEIGHT_RANGES.items()},
+            "length": {"k": rng.uniform(1e-4, 1.0), "q": rng.uniform(0, 2),
+                       "counts": {k: rng.uniform(0, 100) for k in COUNTS}}}
 
 
 def _order_holds(config) -> bool:
@@ -148,21 +148,30 @@ def _order_holds(config) -> bool:
 
 
 def test_order_of_totals_holds_for_any_weights_in_the_documented_ranges():
+    import copy
     import random
     rng = random.Random(23)
-    corners = [check_config({"weights": {k: r[i] for k, r in WEIGHT_RANGES.items()}}, "corner") for i in (0, 1)]
-    worst = check_config({"weights": {"correctness": 0.5, "communication": 0.2, "style": -0.02,
-                                      "tests_fraction": 0.0}}, "worst")
-    for config in corners + [worst, DEFAULT_WEIGHTS] + [_weights(rng) for _ in range(300)]:
+    corners = [{"weights": {k: r[i] for k, r in WEIGHT_RANGES.items()}} for i in (0, 1)]
+    edge = {"weights": {"correctness": 0.5, "communication": 0.29, "style": -0.02, "tests_fraction": 0.0}}
+    accepted = refused = 0
+    for raw in corners + [edge] + [_weights(rng) for _ in range(400)]:
+        try:
+            config = check_config(raw, "w.json")
+        except ValueError as e:
+            assert "must exceed" in str(e)
+            refused += 1
+            full = copy.deepcopy(DEFAULT_WEIGHTS)
+            full["weights"].update(raw["weights"])
+            full["length"].update(raw.get("length", {}))
+            w = full["weights"]
+            if w["correctness"] < w["communication"] - STYLE_CAP * w["style"] - 0.01:
+                assert not _order_holds(full), raw  # what the file check refuses breaks the order here
+            continue
+        accepted += 1
         assert _order_holds(config), config["weights"]
-    # the ranges are what makes it hold: just outside them the order breaks, and check_config refuses the file
-    outside = {"weights": {"correctness": 0.5, "communication": 0.35, "style": -0.02}}
-    import copy
-    raw = copy.deepcopy(DEFAULT_WEIGHTS)
-    raw["weights"].update(outside["weights"])
-    assert not _order_holds(raw)
-    with pytest.raises(ValueError, match=r"weights.communication = 0.35 is outside the documented range \[0, 0.2\]"):
-        check_config(outside, "w.json")
+    assert accepted > 30 and refused > 30
+    with pytest.raises(ValueError, match=r"weights.communication = -0.1 is outside the documented range"):
+        check_config({"weights": {"communication": -0.1}}, "w.json")
     with pytest.raises(ValueError, match=r"length.counts.turns = -1 is outside"):
         check_config({"length": {"counts": {"turns": -1}}}, "w.json")
 
