@@ -5,16 +5,17 @@ fail_to_pass from mining). Every cheat scores correctness 0; an honest fix score
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
-import subprocess
 
 import pytest
 
 from megatron_ext.env.agents import ScriptAgent
-from megatron_ext.env.demo import STUB, STUB_BODY, make_task
+from megatron_ext.env.demo import STUB_BODY, make_task
 from megatron_ext.env.episode import EpisodeConfig, run_episode
+from megatron_ext.env.grading import (Expected, GradingRun, evaluate, parse_pytest_command, runner_command,
+                                      steering_paths)
 from megatron_ext.env.mining import MineConfig, Miner
 from megatron_ext.env.sandbox import BubblewrapConfig, Limits
 from megatron_ext.env.tasks import load_task, task_from_dict
@@ -35,6 +36,7 @@ def test_strings():
     assert add("a", "b") == "ab"
 '''
 CALC_FILE = "calc/__init__.py"
+EXPECTED = {"calc": [f"tests_hidden/test_add.py::test_{n}" for n in ("ints", "negative", "strings")]}
 CALC_FIX = ('    """Return a + b."""\n    return a + b\n')
 CALC_PARTIAL = ('    """Return a + b."""\n    return int(a) + int(b)\n')  # the string test fails
 
@@ -83,8 +85,7 @@ def tasks(tmp_path_factory):
     assert len(mined) == 1, skipped
     textkit = task_from_dict(mined[0], str(root / "mined"), "mined")
     assert len(textkit.metadata["fail_to_pass"]) == 3
-    return {"calc": (calc, CALC_FILE, '    """Return a + b."""\n    raise NotImplementedError\n', CALC_FIX,
-                     CALC_PARTIAL),
+    return {"calc": (calc, CALC_FILE, STUB_BODY, CALC_FIX, CALC_PARTIAL),
             "textkit": (textkit, TEXTKIT_FILE, "    raise NotImplementedError\n", TEXTKIT_FIX, TEXTKIT_PARTIAL)}
 
 
@@ -105,28 +106,39 @@ def pytest_runtest_makereport(item, call):
     report.outcome = "passed"
     return report
 '''
+# imported by the package under test: writes a report saying every expected test passed, then exits 0 before
+# pytest can write its own (the runner's nonce, read and deleted before this runs, is what it cannot give)
+FORGE = '''import json, os
+IDS = {ids!r}
+with open("/grading-report/report.json", "w") as f:
+    json.dump({{"nonce": "0" * 32, "exit_code": 0, "outcomes": {{i: "passed" for i in IDS}}, "collected": IDS,
+               "collection_errors": []}}, f)
+os._exit(0)
+'''
 CLAIM = "Fixed it; the tests pass."
-# name -> (actions given the package file, the files grading must count as forbidden edits)
+# name -> (actions given the package file and the expected ids, the files grading must count as forbidden edits)
 CHEATS = {
-    "pytest_py_shadow": (lambda pkg: [_write("pytest.py", "import sys\nsys.exit(0)\n")], ["pytest.py"]),
-    "pytest_package_main": (lambda pkg: [_write("pytest/__init__.py", ""),
+    "pytest_py_shadow": (lambda pkg, ids: [_write("pytest.py", "import sys\nsys.exit(0)\n")], ["pytest.py"]),
+    "pytest_package_main": (lambda pkg, ids: [_write("pytest/__init__.py", ""),
                                          _write("pytest/__main__.py", "raise SystemExit(0)\n")],
                             ["pytest/__init__.py", "pytest/__main__.py"]),
-    "addopts_pytest_ini": (lambda pkg: [_write("pytest.ini", "[pytest]\naddopts = --collect-only\n")],
+    "addopts_pytest_ini": (lambda pkg, ids: [_write("pytest.ini", "[pytest]\naddopts = --collect-only\n")],
                            ["pytest.ini"]),
-    "addopts_setup_cfg": (lambda pkg: [_write("setup.cfg", "[tool:pytest]\naddopts = --collect-only\n")],
+    "addopts_setup_cfg": (lambda pkg, ids: [_write("setup.cfg", "[tool:pytest]\naddopts = --collect-only\n")],
                           ["setup.cfg"]),
-    "addopts_pyproject": (lambda pkg: [_write("pyproject.toml",
+    "addopts_pyproject": (lambda pkg, ids: [_write("pyproject.toml",
                                               '[tool.pytest.ini_options]\naddopts = "--collect-only"\n')],
                           ["pyproject.toml"]),
-    "dist_info_pytest11_plugin": (lambda pkg: [
+    "dist_info_pytest11_plugin": (lambda pkg, ids: [
         _write("evil-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n"),
         _write("evil-1.0.dist-info/entry_points.txt", "[pytest11]\nevil = evil_plugin\n"),
         _write("evil_plugin.py", PLUGIN)], ["evil-1.0.dist-info/METADATA", "evil-1.0.dist-info/entry_points.txt"]),
-    "os_exit_on_import": (lambda pkg: [_prepend(pkg, "import os; os._exit(0)")], []),
-    "prints_passed_summary_at_exit": (lambda pkg: [_prepend(
+    "os_exit_on_import": (lambda pkg, ids: [_prepend(pkg, "import os; os._exit(0)")], []),
+    "prints_passed_summary_at_exit": (lambda pkg, ids: [_prepend(
         pkg, 'import atexit; atexit.register(lambda: print("=== 3 passed in 0.01s ==="))')], []),
-    "noop_claiming_success": (lambda pkg: [{"name": "list_dir", "arguments": {}}], []),
+    "forged_report_then_exit": (lambda pkg, ids: [_write("_forge.py", FORGE.format(ids=ids)),
+                                                   _prepend(pkg, "import _forge")], []),
+    "noop_claiming_success": (lambda pkg, ids: [{"name": "list_dir", "arguments": {}}], []),
 }
 
 
@@ -141,13 +153,16 @@ def _episode(tmp_path, task, actions, message):
 def test_hostile_agent_scores_zero(tmp_path, tasks, task_name, cheat):
     task, pkg = tasks[task_name][:2]
     actions, forbidden = CHEATS[cheat]
-    r = _episode(tmp_path, task, actions(pkg), CLAIM)
+    ids = EXPECTED[task_name] if task_name in EXPECTED else task.metadata["fail_to_pass"]
+    r = _episode(tmp_path, task, actions(pkg, ids), CLAIM)
     reward = r.reward
     assert reward["correctness"] == 0.0, r.grading
     assert reward["tests_fraction"] == 0.0, r.grading
     assert reward["communication"] == 0.0 and reward["total"] <= 0.0, reward
-    assert r.grading["mode"] == "pytest ids" and not r.grading["passed"] and len(r.grading["expected"]) == 3
+    assert r.grading["mode"] == "pytest ids" and not r.grading["passed"] and sorted(r.grading["expected"]) == ids
     assert r.grading["forbidden_edits"] == forbidden and reward["forbidden_edits"] == len(forbidden)
+    why = {"os_exit_on_import": "no report", "forged_report_then_exit": "not written by this run's runner"}
+    assert why.get(cheat, "") in (r.grading["report_error"] or "")
 
 
 @pytest.mark.parametrize("task_name", ["calc", "textkit"])
@@ -160,7 +175,86 @@ def test_honest_and_partial_fix(tmp_path, tasks, task_name):
     assert honest.reward["communication"] == 1.0 and honest.grading["forbidden_edits"] == []
     assert sorted(honest.grading["passed"]) == sorted(honest.grading["expected"]) and \
         len(honest.grading["expected"]) == 3
+    # the demo task has no fail_to_pass: its ids come from the trusted collection on the untouched repository
+    assert honest.grading["expected_source"] == ("collected" if task_name == "calc" else "metadata")
+    if task_name == "calc":
+        assert sorted(honest.grading["expected"]) == EXPECTED["calc"]
     part = _episode(tmp_path / "partial", task, [{"name": "edit_file", "arguments": {
         "path": pkg, "old_text": stub, "new_text": partial}}], message)
     assert part.reward["correctness"] == 0.0 and part.reward["tests_fraction"] == pytest.approx(2 / 3), part.grading
     assert len(part.grading["failed"]) == 1
+
+
+# ---- the pieces, without a sandbox ------------------------------------------------------------------------------
+def test_parse_pytest_command():
+    cmd = parse_pytest_command("PYTHONPATH=src:lib FOO=1 python -m pytest -q -p no:cacheprovider 'tests/t a.py' "
+                               "--deselect 'tests/t a.py::test_x[1-2]'")
+    assert cmd.pythonpath == ["src", "lib"] and cmd.env == {"FOO": "1"}
+    assert cmd.args == ["-q", "-p", "no:cacheprovider", "tests/t a.py", "--deselect", "tests/t a.py::test_x[1-2]"]
+    assert parse_pytest_command("pytest -x tests").args == ["-x", "tests"]
+    assert parse_pytest_command("python3.11 -m pytest").args == []
+    for other in ("python -m pytest tests && echo ok", "pytest tests; true", "pytest tests | tee log", "make test",
+                  "python -c 'import pytest'", "PYTHONPATH=/abs python -m pytest", "python -m pytest > out",
+                  "PYTHONPATH=../up pytest"):
+        assert parse_pytest_command(other) is None, other
+    line = runner_command(cmd, "run")
+    assert line.startswith("FOO=1 python -I /grading/runner.py /grading-report run /workspace src:lib -- -c "
+                           "/grading/pytest.ini --rootdir /workspace --confcutdir /workspace -p no:cacheprovider")
+
+
+def _file(text):
+    return ("file", text.encode())
+
+
+def test_steering_paths():
+    pristine = {"pkg/__init__.py": _file(""), "pkg/json.py": _file(""), "setup.cfg": _file("[metadata]\nname = x\n"),
+                "pyproject.toml": _file("[project]\nname = 'x'\n"), "src/statistics/__init__.py": _file("")}
+    final = dict(pristine)
+    final.update({
+        "setup.cfg": _file("[metadata]\nname = y\n"),                             # not its pytest section: allowed
+        "pyproject.toml": _file("[project]\nname = 'x'\n[tool.pytest.ini_options]\naddopts = '-x'\n"),
+        "pkg/json.py": _file("x = 1"),                                               # inside a package: allowed
+        "src/statistics/__init__.py": _file("x = 1"),                                # the repo's own: allowed
+        "src/typing.py": _file(""), "tests/conftest.py": _file(""), "a/b/x.pth": _file(""),
+        "pkg/__pycache__/m.cpython-311.pyc": _file(""), "sitecustomize.py": _file(""), "tox.ini": _file(""),
+        "x.egg-info/entry_points.txt": _file(""), "pytest/__main__.py": _file(""), "_pytest.py": _file(""),
+        "pluggy/__init__.py": _file(""), "calc.py": _file(""), "tests/helpers.py": _file(""),
+        "bad.toml/pyproject.toml": _file("[tool.pytest\n"),
+    })
+    changed = sorted(p for p in final if final[p] != pristine.get(p))
+    assert steering_paths(changed, pristine, final) == [
+        "_pytest.py", "a/b/x.pth", "bad.toml/pyproject.toml", "pkg/__pycache__/m.cpython-311.pyc",
+        "pluggy/__init__.py", "pyproject.toml", "pytest/__main__.py", "sitecustomize.py", "src/typing.py",
+        "tests/conftest.py", "tox.ini", "x.egg-info/entry_points.txt"]
+
+
+def test_report_must_be_this_runs_regular_file(tmp_path):
+    with GradingRun(str(tmp_path)) as run:
+        assert run.report() == (None, "no report (pytest did not finish)")
+        path = os.path.join(run.reports, "report.json")
+        os.mkfifo(path)  # would block a plain open() forever
+        assert "not a regular file" in run.report()[1]
+        os.unlink(path)
+        os.symlink("/etc/hostname", path)
+        assert run.report()[0] is None
+        os.unlink(path)
+        with open(path, "w") as f:
+            json.dump({"nonce": "0" * 32, "exit_code": 0, "outcomes": {"t.py::test": "passed"}}, f)
+        assert run.report() == (None, "the report was not written by this run's runner")
+        with open(path, "w") as f:
+            json.dump({"nonce": run.nonce, "exit_code": 1, "outcomes": {"t.py::test": "failed"}}, f)
+        report, _ = run.report()
+        assert evaluate(report, Expected(["t.py::test", "t.py::gone"])) == {
+            "correct": False, "tests_fraction": 0.0, "expected": ["t.py::test", "t.py::gone"], "passed": [],
+            "failed": ["t.py::test"], "missing": ["t.py::gone"]}
+    assert not os.path.exists(run.root)
+    files = Expected([], files=["t.py"])
+    assert evaluate({"outcomes": {"t.py::a": "passed", "t.py::b": "xfailed"}}, files)["correct"]
+    assert not evaluate({"outcomes": {}}, files)["correct"]  # a file expected as a whole must report a test
+
+
+def test_non_pytest_command_keeps_exit_code_grading(tmp_path, tasks):
+    task = dataclasses.replace(tasks["calc"][0], test_command="python -m pytest -q tests_hidden && echo done")
+    fix = [{"name": "edit_file", "arguments": {"path": CALC_FILE, "old_text": STUB_BODY, "new_text": CALC_FIX}}]
+    r = _episode(tmp_path, task, fix, "Implemented add in calc/__init__.py.")
+    assert r.grading["mode"] == "exit code" and r.reward["correctness"] == 1.0 and "3 passed" in r.grading["output"]

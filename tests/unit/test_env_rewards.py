@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import random
 
 import pytest
 
-from megatron_ext.env.rewards import (DEFAULT_WEIGHTS, EpisodeFacts, WeightFile, changed_lines, communication,
-                                      concave_length, override_weights, repeated_calls, score, style_violations)
+from megatron_ext.env.rewards import (DEFAULT_WEIGHTS, STYLE_CAP, WEIGHT_RANGES, EpisodeFacts, WeightFile,
+                                      changed_lines, check_config, claims_passing, communication, concave_length,
+                                      last_test_run, override_weights, repeated_calls, score,
+                                      set_communication_judge, style_violations)
+from megatron_ext.env.tools import ToolCall
 
 
 def test_concave_length_by_hand():
@@ -104,9 +109,6 @@ def test_override_weights():
 
 
 # ---- rewards that cannot be gamed (issue 23) ----------------------------------------------------------------
-from megatron_ext.env.rewards import (STYLE_CAP, WEIGHT_RANGES, check_config, claims_passing,  # noqa: E402
-                                      last_test_run, set_communication_judge)
-from megatron_ext.env.tools import ToolCall  # noqa: E402
 
 COUNTS = {"thinking_tokens": 300, "tool_call_tokens": 120, "tool_output_tokens": 800, "message_tokens": 40,
           "tool_calls": 6, "turns": 6}
@@ -148,8 +150,6 @@ def _order_holds(config) -> bool:
 
 
 def test_order_of_totals_holds_for_any_weights_in_the_documented_ranges():
-    import copy
-    import random
     rng = random.Random(23)
     corners = [{"weights": {k: r[i] for k, r in WEIGHT_RANGES.items()}} for i in (0, 1)]
     edge = {"weights": {"correctness": 0.5, "communication": 0.29, "style": -0.02, "tests_fraction": 0.0}}
