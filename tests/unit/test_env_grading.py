@@ -258,3 +258,20 @@ def test_non_pytest_command_keeps_exit_code_grading(tmp_path, tasks):
     fix = [{"name": "edit_file", "arguments": {"path": CALC_FILE, "old_text": STUB_BODY, "new_text": CALC_FIX}}]
     r = _episode(tmp_path, task, fix, "Implemented add in calc/__init__.py.")
     assert r.grading["mode"] == "exit code" and r.reward["correctness"] == 1.0 and "3 passed" in r.grading["output"]
+
+
+def test_test_file_that_does_not_collect_on_the_untouched_repository(tmp_path):
+    """No metadata, and the hidden tests import a function the repository does not have yet: the trusted
+    collection cannot list its ids, so the file is expected as a whole (cached on disk by content)."""
+    task = load_task(make_task(str(tmp_path / "task")))
+    with open(os.path.join(task.repo, CALC_FILE), "w") as f:
+        f.write('"""A small calculator."""\n')
+    with open(os.path.join(task.hidden_tests, "tests_hidden", "test_add.py"), "w") as f:
+        f.write(CALC_TESTS)
+    noop = _episode(tmp_path / "noop", task, [], "Nothing to do.")
+    assert noop.grading["expected_source"] == "collected" and noop.grading["missing"] == ["tests_hidden/test_add.py"]
+    assert noop.reward["correctness"] == 0.0
+    write = [_write(CALC_FILE, '"""A small calculator."""\n\n\ndef add(a, b):\n    return a + b\n')]
+    fixed = _episode(tmp_path / "fixed", task, write, "Added add to calc/__init__.py.")
+    assert fixed.reward["correctness"] == 1.0 and sorted(fixed.grading["passed"]) == EXPECTED["calc"]
+    assert len(os.listdir(tmp_path / "noop" / "expected")) == 1
