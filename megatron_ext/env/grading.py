@@ -61,8 +61,8 @@ def _pytest_section(name: str, entry) -> object:
     """The pytest part of a setup.cfg or pyproject.toml snapshot entry; a parse failure is its own value."""
     if entry is None:
         return None
-    if entry[0] != "file":
-        return ("link", entry[1])
+    if entry[0] != "file" or not isinstance(entry[1], bytes):  # a link, or content the snapshot did not keep
+        return ("other", entry)
     try:
         text = entry[1].decode()
         if name == "pyproject.toml":
@@ -221,6 +221,13 @@ class GradingRun:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def hidden_binds(hidden: str, workspace: str) -> tuple:
+    """Read-only binds of the hidden tests' top-level entries as laid over the grading workspace: the code under
+    test runs before pytest has read every test file, and must not be able to rewrite one (or plant bytecode
+    beside it) in the meantime."""
+    return tuple((os.path.join(workspace, name), f"{WORKDIR}/{name}", False) for name in sorted(os.listdir(hidden)))
 
 
 # ---- expected ids -------------------------------------------------------------------------------------------

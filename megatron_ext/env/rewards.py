@@ -80,11 +80,15 @@ PARTS = tuple(DEFAULT_WEIGHTS["weights"])
 STYLE_CAP = 10
 
 
+_TEST_RUN = re.compile(r"pytest|unittest|\b(tox|nox)\b|\b(make|npm|go|cargo)\s+test\b|\btest\w*\.py\b|_test\.py\b")
+
+
 def last_test_run(calls) -> Optional[bool]:
-    """Whether the episode's last run_command that ran tests (names pytest/test) exited 0; None if none did."""
+    """Whether the episode's last run_command that ran tests (pytest, unittest, tox, make test, a test_*.py ...)
+    exited 0; None if none did."""
     for call in reversed(calls):
         parsed = call.parsed or {}
-        if call.name == "run_command" and call.valid and re.search(r"pytest|\btest", parsed.get("command", "")):
+        if call.name == "run_command" and call.valid and _TEST_RUN.search(parsed.get("command", "")):
             last = call.observation.rstrip().rsplit("\n", 1)[-1]
             return last == "[exit code 0]"
     return None

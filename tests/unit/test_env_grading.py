@@ -275,3 +275,23 @@ def test_test_file_that_does_not_collect_on_the_untouched_repository(tmp_path):
     fixed = _episode(tmp_path / "fixed", task, write, "Added add to calc/__init__.py.")
     assert fixed.reward["correctness"] == 1.0 and sorted(fixed.grading["passed"]) == EXPECTED["calc"]
     assert len(os.listdir(tmp_path / "noop" / "expected")) == 1
+
+
+def test_package_cannot_rewrite_hidden_tests_during_the_run(tmp_path):
+    """The package under test, imported by the first hidden test file, rewrites the second one before pytest
+    collects it: the hidden tests are bound read-only for the grading run, so the write fails."""
+    repo, hidden = tmp_path / "repo", tmp_path / "hidden" / "tests_hidden"
+    (repo / "pkg").mkdir(parents=True)
+    hidden.mkdir(parents=True)
+    (repo / "pkg" / "__init__.py").write_text("def f():\n    raise NotImplementedError\n")
+    (hidden / "test_a.py").write_text("from pkg import f\n\n\ndef test_a():\n    assert f() in (1, 2)\n")
+    (hidden / "test_b.py").write_text("from pkg import f\n\n\ndef test_b():\n    assert f() == 2\n")
+    task = task_from_dict({"id": "two-files", "repo": "repo", "hidden_tests": "hidden", "timeout_s": 60,
+                           "instruction": "Make f return 2.", "test_command": "python -m pytest -q tests_hidden",
+                           "forbidden": ["tests_hidden/*"]}, str(tmp_path), "inline")
+    cheat = ('def f():\n    return 1\n\n\ntry:\n    with open("/workspace/tests_hidden/test_b.py", "w") as out:\n'
+             '        out.write("def test_b():\\n    pass\\n")\nexcept OSError:\n    pass\n')
+    r = _episode(tmp_path / "cheat", task, [_write("pkg/__init__.py", cheat)], "Changed pkg/__init__.py.")
+    assert r.reward["correctness"] == 0.0 and r.grading["failed"] == ["tests_hidden/test_b.py::test_b"], r.grading
+    honest = _episode(tmp_path / "honest", task, [_write("pkg/__init__.py", "def f():\n    return 2\n")], "Done.")
+    assert honest.reward["correctness"] == 1.0

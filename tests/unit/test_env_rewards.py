@@ -193,7 +193,9 @@ def test_last_test_run_reads_the_last_test_command():
     def call(command, status):
         return ToolCall("c", "run_command", "{}", {"command": command}, f"out\n[exit code {status}]")
     assert last_test_run([]) is None
-    assert last_test_run([call("ls", 1)]) is None
+    assert last_test_run([call("ls", 1)]) is None and last_test_run([call("cat tests/conftest.py", 0)]) is None
+    assert last_test_run([call("python tests/test_calc.py", 1)]) is False
+    assert last_test_run([call("make test", 0)]) is True
     assert last_test_run([call("python -m pytest -q", 1), call("ls", 0)]) is False
     assert last_test_run([call("python -m pytest -q", 1), call("python -m pytest -q", 0), call("ls", 2)]) is True
 
