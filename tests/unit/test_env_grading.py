@@ -295,3 +295,32 @@ def test_package_cannot_rewrite_hidden_tests_during_the_run(tmp_path):
     assert r.reward["correctness"] == 0.0 and r.grading["failed"] == ["tests_hidden/test_b.py::test_b"], r.grading
     honest = _episode(tmp_path / "honest", task, [_write("pkg/__init__.py", "def f():\n    return 2\n")], "Done.")
     assert honest.reward["correctness"] == 1.0
+
+
+def test_order_of_totals_on_the_demo_task(tmp_path, tasks):
+    """Default weights, real episodes: correct > wrong attempt >= no-op >= broken tool calls / stalling."""
+    task = tasks["calc"][0]
+
+    def edit(body):
+        return [{"name": "edit_file", "arguments": {"path": CALC_FILE, "old_text": STUB_BODY, "new_text": body}}]
+    message = "Changed add in calc/__init__.py; checked it by reading it back."
+    broken = [{"name": "edit_file", "arguments": "{not json"}, {"name": "write_file", "arguments": {"path": 3}},
+              {"name": "frobnicate", "arguments": {}}]
+
+    class Staller:
+        """Defers the edit: looks around for two turns, then asks a needless question (which ends the episode; a
+        question asked at once is a no-op, differing only in length)."""
+
+        def act(self, messages, tools):
+            if sum(m["role"] == "assistant" for m in messages) < 2:
+                return {"content": "", "tool_calls": [{"type": "function", "function": {
+                    "name": "read_file", "arguments": json.dumps({"path": CALC_FILE})}}]}
+            return {"content": "Before I start: should add also handle strings, or only numbers?"}
+
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")))
+    total = {name: _episode(tmp_path / name, task, actions, message).reward["total"] for name, actions in (
+        ("correct", edit(CALC_FIX)), ("wrong", edit('    """Return a + b."""\n    return a - b\n')),
+        ("noop", []), ("broken", broken))}
+    total["stalling"] = run_episode(task, Staller(), config).reward["total"]
+    assert total["correct"] > total["wrong"] >= total["noop"] >= total["broken"], total
+    assert total["noop"] >= total["stalling"] and total["noop"] <= 0, total
