@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, hidden_binds, parse_pytest_command,
-                                      runner_command, steering_paths)
+from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, parse_pytest_command, runner_command,
+                                      steering_paths)
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_run, score
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
@@ -363,12 +363,11 @@ class Session:
         else:
             expected = expected_tests(self.task, pytest_cmd, grading_config, self.config.grading_cache_dir,
                                       self.task.timeout_s)
-            with GradingRun(sandbox.base_dir) as run, \
-                    BubblewrapSandbox(box.workspace, run.config(grading_config)) as grader:
+            with BubblewrapSandbox(box.workspace, grading_config) as grader:
+                run = GradingRun(grader)
                 if self.task.hidden_tests:
                     overlay(self.task.hidden_tests, grader.workspace)
-                    grader.config = dataclasses.replace(grader.config, binds=grader.config.binds + hidden_binds(
-                        self.task.hidden_tests, grader.workspace))
+                    run.protect_hidden(self.task.hidden_tests)
                 r = grader.exec(runner_command(pytest_cmd, "run"), timeout_s=self.task.timeout_s)
                 report, why = run.report() if r.killed is None else (None, f"killed ({r.killed})")
             ids = evaluate(report, expected)

@@ -34,12 +34,11 @@ import shlex
 import shutil
 import stat
 import sys
-import tempfile
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from megatron_ext.env.sandbox import PREFIX, WORKDIR, BubblewrapConfig, BubblewrapSandbox
+from megatron_ext.env.sandbox import WORKDIR, BubblewrapConfig, BubblewrapSandbox
 
 GRADER_VERSION = 1
 GRADER_MOUNT = "/grading"            # the runner and our pytest.ini, read-only
@@ -161,36 +160,37 @@ def runner_command(cmd: PytestCommand, mode: str) -> str:
 
 
 class GradingRun:
-    """Host folders for one grading run: the runner (bound read-only) and a fresh report folder (bound writable).
-    Named like a sandbox folder of this process, so a crash leaves nothing the next sandbox does not sweep."""
+    """The grader's folders inside one grading sandbox's own folder (so they share its lifetime, its disk limit
+    and whatever makes its folders reachable to the sandbox's host user): the runner and our pytest.ini, bound
+    read-only at /grading, and an empty report folder, bound writable at /grading-report. Both exist only in this
+    sandbox: the agent's sandbox never had them. Adds the binds to box.config (read at each exec)."""
 
-    def __init__(self, base_dir: Optional[str] = None):
-        base = base_dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-grading-", dir=base)
-        os.chmod(self.root, 0o755)
-        self.grader, self.reports = os.path.join(self.root, "grader"), os.path.join(self.root, "report")
-        os.mkdir(self.grader, 0o755)
+    def __init__(self, box: BubblewrapSandbox):
+        self.box = box
+        self.grader, self.reports = os.path.join(box.root, "grader"), os.path.join(box.root, "report")
+        os.mkdir(self.grader)
         os.mkdir(self.reports)
+        os.chmod(self.grader, 0o755)
         os.chmod(self.reports, 0o777)  # the sandbox may run as another host uid
         shutil.copyfile(RUNNER, os.path.join(self.grader, "runner.py"))
         with open(os.path.join(self.grader, "pytest.ini"), "w") as f:
             f.write("[pytest]\n")
-        for name in ("runner.py", "pytest.ini"):
-            os.chmod(os.path.join(self.grader, name), 0o644)
         self.nonce = secrets.token_hex(16)
-        nonce = os.path.join(self.reports, "nonce")
-        with open(nonce, "w") as f:
+        with open(os.path.join(self.reports, "nonce"), "w") as f:
             f.write(self.nonce)
-        os.chmod(nonce, 0o666)
+        for path in ("grader/runner.py", "grader/pytest.ini", "report/nonce"):
+            os.chmod(os.path.join(box.root, path), 0o644 if path.startswith("grader") else 0o666)
+        self._bind((self.grader, GRADER_MOUNT, False), (self.reports, REPORT_MOUNT, True))
 
-    @property
-    def binds(self) -> tuple:
-        return ((self.grader, GRADER_MOUNT, False), (self.reports, REPORT_MOUNT, True))
+    def _bind(self, *binds):
+        self.box.config = replace(self.box.config, binds=tuple(self.box.config.binds) + binds)
 
-    def config(self, sandbox: BubblewrapConfig) -> BubblewrapConfig:
-        from dataclasses import replace
-        return replace(sandbox, binds=tuple(sandbox.binds) + self.binds)
+    def protect_hidden(self, hidden: str):
+        """Bind the hidden tests' top-level entries, as laid over the workspace, read-only: the code under test
+        runs before pytest has read every test file and must not be able to rewrite one (or plant bytecode
+        beside it) in the meantime."""
+        self._bind(*((os.path.join(self.box.workspace, name), f"{WORKDIR}/{name}", False)
+                     for name in sorted(os.listdir(hidden))))
 
     def report(self) -> tuple[Optional[dict], str]:
         """(the runner's report, '') or (None, why there is none). The file is the sandbox's: opened without
@@ -212,22 +212,6 @@ class GradingRun:
                 not isinstance(report.get("outcomes"), dict):
             return None, "the report was not written by this run's runner"
         return report, ""
-
-    def close(self):
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def hidden_binds(hidden: str, workspace: str) -> tuple:
-    """Read-only binds of the hidden tests' top-level entries as laid over the grading workspace: the code under
-    test runs before pytest has read every test file, and must not be able to rewrite one (or plant bytecode
-    beside it) in the meantime."""
-    return tuple((os.path.join(workspace, name), f"{WORKDIR}/{name}", False) for name in sorted(os.listdir(hidden)))
 
 
 # ---- expected ids -------------------------------------------------------------------------------------------
@@ -298,7 +282,8 @@ def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_di
             record = json.load(f)
         _MEMORY[key] = Expected(record["ids"], record["files"], "collected")
         return _MEMORY[key]
-    with GradingRun(sandbox.base_dir) as run, BubblewrapSandbox(task.repo, run.config(sandbox)) as box:
+    with BubblewrapSandbox(task.repo, sandbox) as box:
+        run = GradingRun(box)
         if task.hidden_tests:
             shutil.copytree(task.hidden_tests, box.workspace, dirs_exist_ok=True, symlinks=True)
         r = box.exec(runner_command(cmd, "collect"), timeout_s=timeout_s)

@@ -227,8 +227,10 @@ def length_x(counts: dict[str, float], weights: dict[str, float]) -> float:
 class EpisodeFacts:
     """Everything the reward needs from a finished episode (filled by the episode loop)."""
 
-    correct: bool
-    tests_fraction: float
+    correct: Optional[bool] = None                    # every expected test passed (grading.py); None: from
+    tests_fraction: Optional[float] = None            # test_exit_code == 0, and tests_fraction = correctness
+    test_exit_code: Optional[int] = None              # exit-code grading (non-pytest commands)
+    test_output: str = ""
     changes: dict = field(default_factory=dict)       # path -> (old text, new text) of changed text files
     final_message: Optional[str] = None
     calls: list = field(default_factory=list)         # (name, argument text) of every tool call
@@ -257,13 +259,14 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
     """All reward parts of an episode and their weighted sum under config (a WeightFile's current value)."""
     config = config or DEFAULT_WEIGHTS
     x = length_x(facts.counts, config["length"]["counts"])
-    correct = float(bool(facts.correct))
+    correct = float(bool(facts.correct) if facts.correct is not None else facts.test_exit_code == 0)
+    fraction = facts.tests_fraction if facts.tests_fraction is not None else correct
     style = 0
     if correct:
         style = facts.style_violations if facts.style_violations is not None else style_violations(facts.changes)
     parts = {
         "correctness": correct,
-        "tests_fraction": float(facts.tests_fraction) if facts.changes or correct else 0.0,
+        "tests_fraction": float(fraction) if facts.changes or correct else 0.0,
         "style": float(min(style, STYLE_CAP)),
         "communication": communication_part(facts, config["communication"]["concise_words"]),
         "invalid_calls": float(facts.invalid_calls),

@@ -17,7 +17,7 @@ from megatron_ext.env.episode import EpisodeConfig, run_episode
 from megatron_ext.env.grading import (Expected, GradingRun, evaluate, parse_pytest_command, runner_command,
                                       steering_paths)
 from megatron_ext.env.mining import MineConfig, Miner
-from megatron_ext.env.sandbox import BubblewrapConfig, Limits
+from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits
 from megatron_ext.env.tasks import load_task, task_from_dict
 
 # ---- task 1: the demo task with three hidden tests ---------------------------------------------------------
@@ -229,7 +229,10 @@ def test_steering_paths():
 
 
 def test_report_must_be_this_runs_regular_file(tmp_path):
-    with GradingRun(str(tmp_path)) as run:
+    with BubblewrapSandbox(None, BubblewrapConfig(base_dir=str(tmp_path))) as box:
+        run = GradingRun(box)
+        assert ("--bind", run.reports, "/grading-report") == tuple(box.command_line("true")[
+            box.command_line("true").index(run.reports) - 1:][:3])
         assert run.report() == (None, "no report (pytest did not finish)")
         path = os.path.join(run.reports, "report.json")
         os.mkfifo(path)  # would block a plain open() forever
@@ -247,7 +250,7 @@ def test_report_must_be_this_runs_regular_file(tmp_path):
         assert evaluate(report, Expected(["t.py::test", "t.py::gone"])) == {
             "correct": False, "tests_fraction": 0.0, "expected": ["t.py::test", "t.py::gone"], "passed": [],
             "failed": ["t.py::test"], "missing": ["t.py::gone"]}
-    assert not os.path.exists(run.root)
+    assert not os.path.exists(box.root)
     files = Expected([], files=["t.py"])
     assert evaluate({"outcomes": {"t.py::a": "passed", "t.py::b": "xfailed"}}, files)["correct"]
     assert not evaluate({"outcomes": {}}, files)["correct"]  # a file expected as a whole must report a test

@@ -69,6 +69,10 @@ def test_score_by_hand():
     assert s.total == pytest.approx(0.1 - 0.04 - 0.02 - 0.01 - 0.5 - 0.0552766287)
     facts.correct, facts.tests_fraction = True, 1.0
     assert score(facts).parts["style"] == 1.0 and score(facts).parts["correctness"] == 1.0
+    # exit-code grading (a non-pytest command): correctness from the exit code, tests_fraction equal to it
+    facts.correct = facts.tests_fraction = None
+    facts.test_exit_code, facts.test_output = 1, "= 3 passed in 0.1s ="  # printed text is never read
+    assert score(facts).parts["correctness"] == 0.0 and score(facts).parts["tests_fraction"] == 0.0
 
 
 def test_weight_file_reloads_and_logs(tmp_path):
