@@ -166,20 +166,24 @@ class GradingRun:
     sandbox: the agent's sandbox never had them. Adds the binds to box.config (read at each exec)."""
 
     def __init__(self, box: BubblewrapSandbox):
-        self.box = box
+        self.box, self.error = box, None
         self.grader, self.reports = os.path.join(box.root, "grader"), os.path.join(box.root, "report")
-        os.mkdir(self.grader)
-        os.mkdir(self.reports)
-        os.chmod(self.grader, 0o755)
-        os.chmod(self.reports, 0o777)  # the sandbox may run as another host uid
-        shutil.copyfile(RUNNER, os.path.join(self.grader, "runner.py"))
-        with open(os.path.join(self.grader, "pytest.ini"), "w") as f:
-            f.write("[pytest]\n")
         self.nonce = secrets.token_hex(16)
-        with open(os.path.join(self.reports, "nonce"), "w") as f:
-            f.write(self.nonce)
-        for path in ("grader/runner.py", "grader/pytest.ini", "report/nonce"):
-            os.chmod(os.path.join(box.root, path), 0o644 if path.startswith("grader") else 0o666)
+        try:
+            os.mkdir(self.grader)
+            os.mkdir(self.reports)
+            os.chmod(self.grader, 0o755)
+            os.chmod(self.reports, 0o777)  # the sandbox may run as another host uid
+            shutil.copyfile(RUNNER, os.path.join(self.grader, "runner.py"))
+            with open(os.path.join(self.grader, "pytest.ini"), "w") as f:
+                f.write("[pytest]\n")
+            with open(os.path.join(self.reports, "nonce"), "w") as f:
+                f.write(self.nonce)
+            for path in ("grader/runner.py", "grader/pytest.ini", "report/nonce"):
+                os.chmod(os.path.join(box.root, path), 0o644 if path.startswith("grader") else 0o666)
+        except OSError as e:  # no room left beside the workspace (a disk-limited sandbox the agent filled)
+            self.error = f"the grader could not be set up beside the workspace ({e.strerror})"
+            return
         self._bind((self.grader, GRADER_MOUNT, False), (self.reports, REPORT_MOUNT, True))
 
     def _bind(self, *binds):
@@ -195,6 +199,8 @@ class GradingRun:
     def report(self) -> tuple[Optional[dict], str]:
         """(the runner's report, '') or (None, why there is none). The file is the sandbox's: opened without
         following links, regular files only, size-capped, and it must carry this run's nonce."""
+        if self.error:
+            return None, self.error
         path = os.path.join(self.reports, "report.json")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

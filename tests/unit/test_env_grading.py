@@ -231,8 +231,10 @@ def test_steering_paths():
 def test_report_must_be_this_runs_regular_file(tmp_path):
     with BubblewrapSandbox(None, BubblewrapConfig(base_dir=str(tmp_path))) as box:
         run = GradingRun(box)
-        assert ("--bind", run.reports, "/grading-report") == tuple(box.command_line("true")[
-            box.command_line("true").index(run.reports) - 1:][:3])
+        argv = box.command_line("true")
+        at = argv.index("/grading-report")  # the report folder is the one writable bind outside the workspace
+        assert argv[at - 2] == "--bind" and argv[at - 1].endswith("/report") and argv[argv.index("/grading") - 2] \
+            == "--ro-bind"
         assert run.report() == (None, "no report (pytest did not finish)")
         path = os.path.join(run.reports, "report.json")
         os.mkfifo(path)  # would block a plain open() forever
@@ -251,6 +253,11 @@ def test_report_must_be_this_runs_regular_file(tmp_path):
             "correct": False, "tests_fraction": 0.0, "expected": ["t.py::test", "t.py::gone"], "passed": [],
             "failed": ["t.py::test"], "missing": ["t.py::gone"]}
     assert not os.path.exists(box.root)
+    with BubblewrapSandbox(None, BubblewrapConfig(base_dir=str(tmp_path))) as box:
+        os.mkdir(os.path.join(box.root, "grader"))  # stands in for a disk the agent's workspace filled
+        run = GradingRun(box)
+        assert run.report() == (None, "the grader could not be set up beside the workspace (File exists)")
+        assert "/grading-report" not in box.command_line("true")
     files = Expected([], files=["t.py"])
     assert evaluate({"outcomes": {"t.py::a": "passed", "t.py::b": "xfailed"}}, files)["correct"]
     assert not evaluate({"outcomes": {}}, files)["correct"]  # a file expected as a whole must report a test
