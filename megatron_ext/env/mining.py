@@ -10,8 +10,7 @@ For each source (a directory, a git checkout or an sdist .tar.gz):
 3. for each candidate, replace the body by ``raise NotImplementedError`` (the docstring stays) and rerun the suite:
    the tests that passed on the reference and now fail are the task's fail-to-pass tests (none: skipped);
 4. write the task: the agent's repository is the deleted version without its test files; the test files are the
-   hidden tests; metadata records fail_to_pass and pass_to_pass (the other tests of those files that pass both
-   before and after), the ids grading expects to pass (grading.py); ``test_command`` runs the test files holding the fail-to-pass tests, deselecting any test that
+   hidden tests; ``test_command`` runs the test files holding the fail-to-pass tests, deselecting any test that
    already failed on the reference; then verify with that exact command that the deleted version fails and the
    reference passes (otherwise skipped).
 
@@ -260,8 +259,9 @@ class Miner:
                        f"expect.\n\nSignature: `{c.signature.rstrip(':')}`{doc}")
         return self._record(task_id, folder, instruction, command, tests,
                             {"source": name, "category": "feature deletion", "function": c.id,
-                             "fail_to_pass": broken, "pass_to_pass": _pass_to_pass(reference, after, broken),
-                             "reference_diff": diff, "reference_diff_lines": c.end - c.body_start + 1}), None
+                             "pass_to_pass": _pass_to_pass(reference, after, broken),
+                             "fail_to_pass": broken, "reference_diff": diff,
+                             "reference_diff_lines": c.end - c.body_start + 1}), None
 
     def _verified_command(self, folder: str, ref: str, broken: list[str], reference: dict):
         """The test command over the files of the fail-to-pass tests; (None, reason) unless it fails on the task's
@@ -349,15 +349,16 @@ class Miner:
                            "Hidden tests check the result.")
             return self._record(task_id, folder, instruction, command, tests,
                                 {"source": name, "category": "commit", "commit": commit, "parent": parent,
-                                 "fail_to_pass": broken, "pass_to_pass": _pass_to_pass(reference, after, broken),
-                                 "reference_diff": diff, "reference_diff_lines": sum(1 for line in diff.splitlines()
+                                 "pass_to_pass": _pass_to_pass(reference, after, broken),
+                                 "fail_to_pass": broken, "reference_diff": diff,
+                                 "reference_diff_lines": sum(1 for line in diff.splitlines()
                                                              if line[:1] in "+-" and line[:3] not in ("+++", "---"))
                                  }), None
 
 
 def _pass_to_pass(reference: dict, after: dict, broken: list[str]) -> list[str]:
     """Tests in the files the test command runs that pass both on the reference and on the task's repository:
-    grading requires them to keep passing (grading.py takes fail_to_pass + pass_to_pass as the expected ids)."""
+    grading expects them to keep passing (grading.py takes fail_to_pass + pass_to_pass as the expected ids)."""
     files = {t.split("::")[0] for t in broken}
     return sorted(t for t, s in reference.items() if s == "passed" and t not in broken
                   and t.split("::")[0] in files and after.get(t) == "passed")
