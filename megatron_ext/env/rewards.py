@@ -279,6 +279,26 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
     return Score(parts, dict(weights), sum(weights.get(k, 0.0) * v for k, v in parts.items()), x)
 
 
+def check_ranges(config: dict, where: str):
+    """Every weight and shape parameter within WEIGHT_RANGES / OTHER_RANGES (outside them the ordering
+    correct > wrong attempt >= no-op >= broken calls / stalling can fail); the error names the key and range."""
+    values = [(f"weights.{k}", v, WEIGHT_RANGES[k]) for k, v in config["weights"].items()]
+    values += [(f"length.{k}", config["length"][k], OTHER_RANGES[f"length.{k}"]) for k in ("k", "q")]
+    values += [(f"length.counts.{k}", v, OTHER_RANGES["length.counts"]) for k, v in config["length"]["counts"].items()]
+    values.append(("communication.concise_words", config["communication"]["concise_words"],
+                   OTHER_RANGES["communication.concise_words"]))
+    for key, value, (low, high) in values:
+        if not low <= value <= high:
+            raise ValueError(f"{where}: {key} = {value:g} is outside the documented range [{low:g}, {high:g}] "
+                             "(megatron_ext/env/rewards.py WEIGHT_RANGES: outside it a no-op or a broken tool call "
+                             "can outscore a wrong attempt, or a wrong attempt a correct one)")
+    w = config["weights"]
+    if not w["correctness"] > w["communication"] - STYLE_CAP * w["style"]:
+        raise ValueError(f"{where}: weights.correctness ({w['correctness']:g}) must exceed weights.communication "
+                         f"({w['communication']:g}) + {STYLE_CAP} x |weights.style| ({-w['style']:g}): otherwise a "
+                         "wrong attempt with a good message can outscore a correct solution")
+
+
 def check_config(config, where: str) -> dict:
     """DEFAULT_WEIGHTS updated by config; unknown names and non-numbers are errors that name the key."""
     if not isinstance(config, dict):
@@ -307,26 +327,6 @@ def check_config(config, where: str) -> dict:
         raise ValueError(f"{where}: length.k must be positive")
     check_ranges(out, where)
     return out
-
-
-def check_ranges(config: dict, where: str):
-    """Every weight and shape parameter within WEIGHT_RANGES / OTHER_RANGES (outside them the ordering
-    correct > wrong attempt >= no-op >= broken calls / stalling can fail); the error names the key and range."""
-    values = [(f"weights.{k}", v, WEIGHT_RANGES[k]) for k, v in config["weights"].items()]
-    values += [(f"length.{k}", config["length"][k], OTHER_RANGES[f"length.{k}"]) for k in ("k", "q")]
-    values += [(f"length.counts.{k}", v, OTHER_RANGES["length.counts"]) for k, v in config["length"]["counts"].items()]
-    values.append(("communication.concise_words", config["communication"]["concise_words"],
-                   OTHER_RANGES["communication.concise_words"]))
-    for key, value, (low, high) in values:
-        if not low <= value <= high:
-            raise ValueError(f"{where}: {key} = {value:g} is outside the documented range [{low:g}, {high:g}] "
-                             "(megatron_ext/env/rewards.py WEIGHT_RANGES: outside it a no-op or a broken tool call "
-                             "can outscore a wrong attempt, or a wrong attempt a correct one)")
-    w = config["weights"]
-    if not w["correctness"] > w["communication"] - STYLE_CAP * w["style"]:
-        raise ValueError(f"{where}: weights.correctness ({w['correctness']:g}) must exceed weights.communication "
-                         f"({w['communication']:g}) + {STYLE_CAP} x |weights.style| ({-w['style']:g}): otherwise a "
-                         "wrong attempt with a good message can outscore a correct solution")
 
 
 def override_weights(config: dict, items: list[str]) -> dict:
