@@ -326,15 +326,25 @@ class BubblewrapSandbox:
                  "--bind", self.tmp, "/tmp", "--bind", self.workspace, WORKDIR]
         for path in self._python_binds() + [os.path.abspath(p) for p in self.config.ro_binds]:
             argv += ["--ro-bind", path, path]
-        for host, inside, writable in self.config.binds:
-            argv += ["--bind" if writable else "--ro-bind", os.path.abspath(host), inside]
         path_dirs = ([os.path.dirname(os.path.abspath(self.config.python))] if self.config.python else []) + \
             ["/usr/local/bin", "/usr/bin", "/bin"]
         argv += ["--clearenv", "--setenv", "PATH", ":".join(path_dirs), "--setenv", "HOME", "/tmp",
                  "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "USER", "agent",
                  "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
                  "--chdir", WORKDIR, "--remount-ro", "/", "--", "/bin/sh", "-c", command]
-        return argv
+        return self._with_binds(argv)
+
+    def _with_binds(self, argv: list[str]) -> list[str]:
+        """argv with config.binds mounted after every other mount (so a bind over part of the workspace wins)."""
+        staged = getattr(self, "staged", self.root)  # where this sandbox's folder is reachable to bwrap
+        extra = []
+        for host, inside, writable in self.config.binds:
+            host = os.path.abspath(host)
+            if host == self.root or host.startswith(self.root + os.sep):
+                host = os.path.join(staged, os.path.relpath(host, self.root))
+            extra += ["--bind" if writable else "--ro-bind", host, inside]
+        at = argv.index("--clearenv")
+        return argv[:at] + extra + argv[at:]
 
     def _preexec(self):
         limits = self.config.limits
