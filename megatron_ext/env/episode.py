@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, parse_pytest_command, runner_command,
-                                      steering_paths)
+from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, is_bytecode, parse_pytest_command,
+                                      runner_command, steering_paths)
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_run, score
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
@@ -335,13 +335,12 @@ class Session:
         box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
         final = snapshot(box.workspace)
         changed = changed_paths(pristine, final)
-        # a glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)
         steering = set(steering_paths(changed, pristine, final))
-        forbidden = [p for p in changed if p in steering or any(fnmatch.fnmatch(p, g) or fnmatch.fnmatch(p + "/", g)
-                                                                for g in self.task.forbidden)]
+        forbidden = [p for p in changed if p in steering or self._task_forbidden(p)]
         for rel in forbidden:
             _restore(box.workspace, rel, pristine.get(rel))
         self._remove_emptied_folders(forbidden)
+        bytecode = [p for p in forbidden if is_bytecode(p) and not self._task_forbidden(p)]
         changes = {}
         for rel in changed:
             if rel not in forbidden:
@@ -376,8 +375,8 @@ class Session:
             ids["expected_source"] = expected.source
         grading = {"mode": mode, "correct": correct, "tests_fraction": fraction, "exit_code": r.exit_code,
                    "killed": r.killed, "wall_s": round(r.wall_s, 3), "output": truncate(r.output, 20000),
-                   "changed_files": changed, "forbidden_edits": forbidden,
-                   "diff_lines": sum(diff_lines(old, new) for old, new in changes.values()), **(ids or {})}
+                   "changed_files": changed, "forbidden_edits": [p for p in forbidden if p not in bytecode],
+                   "removed_bytecode": bytecode, "diff_lines": sum(diff_lines(old, new) for old, new in changes.values()), **(ids or {})}
         count = self.config.count_tokens
         assistant = [m for m in messages if m["role"] == "assistant"]
         counts = {
@@ -392,8 +391,12 @@ class Session:
         facts = EpisodeFacts(correct=correct, tests_fraction=fraction, changes=changes,
                              final_message=final_message, calls=[(c.name, c.arguments) for c in toolbox.calls],
                              invalid_calls=toolbox.invalid_calls, unfinished_todos=toolbox.unfinished_todos,
-                             forbidden_edits=forbidden, counts=counts, last_test_run=last_test_run(toolbox.calls))
+                             forbidden_edits=grading["forbidden_edits"], counts=counts, last_test_run=last_test_run(toolbox.calls))
         return grading, facts
+
+    def _task_forbidden(self, rel: str) -> bool:
+        """A glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)."""
+        return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(rel + "/", g) for g in self.task.forbidden)
 
     def _remove_emptied_folders(self, restored: list[str]):
         """Folders left empty by removing forbidden files that the original did not have (an emptied

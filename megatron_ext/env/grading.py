@@ -90,6 +90,12 @@ def _shadows(rel: str, pristine: dict, final: dict) -> bool:
     return False
 
 
+def is_bytecode(rel: str) -> bool:
+    """Compiled bytecode: removed before grading like the other steering files, but not counted as a forbidden
+    edit (a run outside PYTHONDONTWRITEBYTECODE leaves it innocently)."""
+    return rel.endswith((".pyc", ".pyo")) or "__pycache__" in rel.split("/")
+
+
 def steering_paths(changed: list[str], pristine: dict, final: dict) -> list[str]:
     """The changed paths (snapshot keys) that can steer a test run rather than be part of a solution: conftest.py
     anywhere, pytest/tox ini files, a changed pytest section of setup.cfg or pyproject.toml, *.pth, anything in a
