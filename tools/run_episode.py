@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.env.agents import AgentError, make_agent  # noqa: E402
 from megatron_ext.env.arguments import add_env_args, add_swarm_args, episode_config, swarm_config  # noqa: E402
 from megatron_ext.env.episode import run_episode  # noqa: E402
+from megatron_ext.env.grading import GradingError  # noqa: E402
 from megatron_ext.env.sandbox import SandboxError  # noqa: E402
 from megatron_ext.env.swarm import make_subagent_policy, run_swarm_episode  # noqa: E402
 from megatron_ext.env.tasks import TaskError, load_task  # noqa: E402
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             result = run_swarm_episode(task, agent, policy, config, swarm)
         else:
             result = run_episode(task, agent, config)
-    except SandboxError as e:
+    except (SandboxError, GradingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -3,8 +3,10 @@
     task.repo --copy (no .git)--> agent sandbox /workspace
     loop (at most task.max_turns): agent.act(messages, TOOL_SCHEMAS) -> assistant message
          each tool call -> Toolbox -> observation (a tool message); finish(...) or a turn without calls ends it
-    grading: files the task forbids that changed are restored from the original repository (and counted) ->
-             a fresh sandbox gets the restored workspace plus the hidden tests -> test_command -> exit code, output
+    grading: files the task forbids and files that can steer a test run (grading.steering_paths) that changed
+             are restored from the original repository or removed (and counted) -> a fresh sandbox gets the
+             restored workspace plus the hidden tests -> a pytest test_command runs under the grader's runner:
+             per-test outcomes vs the expected ids; any other command: its exit code (grading.py, docs/grading.md)
     reward: rewards.score(EpisodeFacts, weights) -> parts and total
 
 The episode speaks messages (OpenAI chat shape: what tools/serve.py and the Kimi-K2 chat template exchange); an
@@ -27,7 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, score
+from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, is_bytecode, parse_pytest_command,
+                                      runner_command, steering_paths)
+from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_run, score
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
@@ -71,6 +75,7 @@ class EpisodeConfig:
     summarize_at: Optional[int] = None                   # context tokens past which the agent summarises
     summary_chars: int = 8000                            # longest summary carried into the next segment
     grading_output_bytes: int = 16 << 20
+    grading_cache_dir: Optional[str] = None              # expected test ids collected per task (also in memory)
 
 
 @dataclass
@@ -269,9 +274,11 @@ class Session:
         """Grading of a workspace whose content the host refuses to handle (too deep, too many entries): the
         episode is scored wrong and counted, like any failed attempt."""
         messages = self.all_messages()
-        grading = {"exit_code": None, "killed": None, "wall_s": 0.0, "output": f"ungradable workspace: {error}",
+        grading = {"mode": "ungradable", "correct": False, "tests_fraction": 0.0, "exit_code": None, "killed": None,
+                   "wall_s": 0.0, "output": f"ungradable workspace: {error}",
                    "changed_files": [], "forbidden_edits": [], "diff_lines": 0, "error": str(error)}
-        facts = EpisodeFacts(test_exit_code=None, test_output=grading["output"], final_message=final_message,
+        facts = EpisodeFacts(correct=False, tests_fraction=0.0, test_output=grading["output"],
+                             final_message=final_message,
                              calls=[(c.name, c.arguments) for c in self.toolbox.calls],
                              invalid_calls=self.toolbox.invalid_calls, unfinished_todos=self.toolbox.unfinished_todos,
                              counts=self._counts(messages))
@@ -281,11 +288,12 @@ class Session:
         box, pristine, toolbox, messages = self.box, self.pristine, self.toolbox, self.all_messages()
         final = snapshot(box.workspace)
         changed = changed_paths(pristine, final)
-        # a glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)
-        forbidden = [p for p in changed if any(fnmatch.fnmatch(p, g) or fnmatch.fnmatch(p + "/", g)
-                                               for g in self.task.forbidden)]
+        steering = set(steering_paths(changed, pristine, final))
+        forbidden = [p for p in changed if p in steering or self._task_forbidden(p)]
         for rel in forbidden:
             _restore(box.workspace, rel, pristine.get(rel))
+        self._remove_emptied_folders(forbidden)
+        bytecode = [p for p in forbidden if is_bytecode(p) and not self._task_forbidden(p)]
         changes = {}
         for rel in changed:
             if rel not in forbidden:
@@ -295,18 +303,57 @@ class Session:
         sandbox = self.config.sandbox
         grading_config = dataclasses.replace(sandbox, limits=dataclasses.replace(
             sandbox.limits, output_bytes=self.config.grading_output_bytes))
-        with BubblewrapSandbox(box.workspace, grading_config) as grader:
-            if self.task.hidden_tests:
-                overlay(self.task.hidden_tests, grader.workspace)
-            r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
-        grading = {"exit_code": r.exit_code, "killed": r.killed, "wall_s": round(r.wall_s, 3),
-                   "output": truncate(r.output, 20000), "changed_files": changed, "forbidden_edits": forbidden,
-                   "diff_lines": sum(diff_lines(old, new) for old, new in changes.values())}
-        facts = EpisodeFacts(test_exit_code=r.exit_code, test_output=r.output, changes=changes,
+        pytest_cmd = parse_pytest_command(self.task.test_command)
+        ids = None
+        if pytest_cmd is None:  # exit-code grading (weaker: see grading.py)
+            with BubblewrapSandbox(box.workspace, grading_config) as grader:
+                if self.task.hidden_tests:
+                    overlay(self.task.hidden_tests, grader.workspace)
+                r = grader.exec(self.task.test_command, timeout_s=self.task.timeout_s)
+            correct = r.exit_code == 0 and r.killed is None
+            fraction, mode = float(correct), "exit code"
+        else:
+            expected = expected_tests(self.task, pytest_cmd, grading_config, self.config.grading_cache_dir,
+                                      self.task.timeout_s)
+            with BubblewrapSandbox(box.workspace, grading_config) as grader:
+                run = GradingRun(grader)
+                if self.task.hidden_tests:
+                    overlay(self.task.hidden_tests, grader.workspace)
+                    run.protect_hidden(self.task.hidden_tests)
+                r = grader.exec(runner_command(pytest_cmd, "run"), timeout_s=self.task.timeout_s)
+                report, why = run.report() if r.killed is None else (None, f"killed ({r.killed})")
+            ids = evaluate(report, expected)
+            correct, fraction, mode = ids["correct"], ids["tests_fraction"], "pytest ids"
+            ids["report_error"] = why or None
+            ids["expected_source"] = expected.source
+        grading = {"mode": mode, "correct": correct, "tests_fraction": fraction, "exit_code": r.exit_code,
+                   "killed": r.killed, "wall_s": round(r.wall_s, 3), "output": truncate(r.output, 20000),
+                   "changed_files": changed, "forbidden_edits": [p for p in forbidden if p not in bytecode],
+                   "removed_bytecode": bytecode,
+                   "diff_lines": sum(diff_lines(old, new) for old, new in changes.values()), **(ids or {})}
+        facts = EpisodeFacts(correct=correct, tests_fraction=fraction, changes=changes,
                              final_message=final_message, calls=[(c.name, c.arguments) for c in toolbox.calls],
                              invalid_calls=toolbox.invalid_calls, unfinished_todos=toolbox.unfinished_todos,
-                             forbidden_edits=forbidden, counts=self._counts(messages))
+                             forbidden_edits=grading["forbidden_edits"], counts=self._counts(messages),
+                             last_test_run=last_test_run(toolbox.calls))
         return grading, facts
+
+    def _task_forbidden(self, rel: str) -> bool:
+        """A glob also covers the folder it names ("tests/*" covers a "tests" the agent replaced by a link or file)."""
+        return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(rel + "/", g) for g in self.task.forbidden)
+
+    def _remove_emptied_folders(self, restored: list[str]):
+        """Folders left empty by removing forbidden files that the original did not have (an emptied
+        evil.dist-info/ or pytest/ goes too)."""
+        kept = {os.path.dirname(p) for p in self.pristine}
+        kept |= {"/".join(p.split("/")[:i]) for p in kept for i in range(1, p.count("/") + 1)}
+        for rel in sorted({os.path.dirname(p) for p in restored}, key=lambda p: -p.count("/")):
+            while rel and rel not in kept:
+                path = os.path.join(self.box.workspace, rel)
+                if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
+                    break
+                os.rmdir(path)
+                rel = os.path.dirname(rel)
 
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:

@@ -300,6 +300,7 @@ class Miner:
                        f"expect.\n\nSignature: `{c.signature.rstrip(':')}`{doc}")
         return self._record(task_id, folder, instruction, command, tests,
                             {"source": name, "category": "feature deletion", "function": c.id,
+                             "pass_to_pass": _pass_to_pass(reference, after, broken),
                              "fail_to_pass": broken, "reference_diff": diff,
                              "reference_diff_lines": diff_lines(deleted, original)}), None
 
@@ -393,9 +394,18 @@ class Miner:
                            "Hidden tests check the result.")
             return self._record(task_id, folder, instruction, command, tests,
                                 {"source": name, "category": "commit", "commit": commit, "parent": parent,
+                                 "pass_to_pass": _pass_to_pass(reference, after, broken),
                                  "fail_to_pass": broken, "reference_diff": diff,
                                  "reference_diff_lines": sum(diff_lines(_read_text(before, f), _read_text(ref, f))
                                                              for f in edited)}), None
+
+
+def _pass_to_pass(reference: dict, after: dict, broken: list[str]) -> list[str]:
+    """Tests in the files the test command runs that pass both on the reference and on the task's repository:
+    grading expects them to keep passing (grading.py takes fail_to_pass + pass_to_pass as the expected ids)."""
+    files = {t.split("::")[0] for t in broken}
+    return sorted(t for t, s in reference.items() if s == "passed" and t not in broken
+                  and t.split("::")[0] in files and after.get(t) == "passed")
 
 
 def _git(repo: str, *args: str) -> str:

@@ -2,12 +2,18 @@
 
 Parts (raw values; the weights turn penalties negative):
 
-* ``correctness``: 1 when the hidden test command exits 0, else 0; ``tests_fraction``: the fraction of tests that
-  passed (from pytest's summary line; without one, equal to correctness);
-* ``style``: ruff diagnostics the change introduced on changed lines (a count, of Python files);
+* ``correctness``: 1 when every expected hidden test passed (grading.py: by test ids for pytest commands, by exit
+  code otherwise), else 0; ``tests_fraction``: the fraction of expected tests that passed, from per-test
+  outcomes (never from printed output; equal to correctness under exit-code grading), paid only to an episode
+  that changed something (tests the untouched repository already passes are no reward for doing nothing);
+* ``style``: ruff diagnostics the change introduced on changed lines (a count of Python files, capped at
+  STYLE_CAP), scored for correct episodes only: it ranks solutions, and must not make a wrong attempt score
+  below doing nothing (the dodge below);
 * ``communication``: in [0, 1], a quarter each for a final message that exists, is concise (at most
   ``concise_words`` words), says what changed (names a changed file or uses a change verb) and how it was
-  checked (names a test/run/check);
+  checked (names a test/run/check). It measures the form of the message, not its truth, so it is paid only when
+  the episode changed a file (outside the forbidden ones) and any claim of passing tests in its message is backed
+  by its own last test run (a claim after a failing run, or without any test run, earns 0). An LLM judge can replace it: `set_communication_judge` (off by default);
 * penalties (counts): ``invalid_calls``, ``unfinished_todos``, ``repeated_calls`` (a call identical in name and
   arguments to an earlier one), ``forbidden_edits`` (files the task forbids that the agent changed);
 * ``length``: the concave length penalty C(x) = ((1 + kx)^(1-q) - 1) / (k(1-q)) (log(1 + kx)/k at q = 1) over
@@ -16,6 +22,15 @@ Parts (raw values; the weights turn penalties negative):
   and 300K: shorter is better among equals, and no length turns a correct episode's reward below a wrong one's.
   (The first defaults, -0.01 with q = 0.5, cost -1.8 at x = 300: a correct short answer scored below zero and
   length differences outweighed correctness.)
+
+Ordering (Cursor reported RL policies that emitted broken tool calls to dodge the penalty for bad edits, and
+stalled with needless clarifying questions): for every weights file within WEIGHT_RANGES, among episodes with the
+same length and call/todo counts, correct > wrong attempt >= no-op >= broken tool calls / stalling, where a wrong
+attempt changed files without forbidden edits. Why the ranges give it: correctness outweighs the most
+communication plus the most style penalty (the joint condition correctness > communication + STYLE_CAP x
+|style|); only changed episodes earn communication and tests_fraction, and only correct ones pay style; penalty
+weights are <= 0 and length counts >= 0, so more invalid calls or a longer stall never gain. A no-op's total is
+<= 0. check_config refuses weights outside the ranges.
 
 `WeightFile` holds the weights in a JSON file that may be edited while RL runs: it is re-read whenever its
 modification time changes, and each change is logged with the step at which it took effect.
@@ -48,6 +63,13 @@ DEFAULT_WEIGHTS = {
     "communication": {"concise_words": 120},
 }
 LENGTH_COUNTS = tuple(DEFAULT_WEIGHTS["length"]["counts"])
+# the documented ranges (inclusive) of each weight, plus one joint condition, correctness > communication +
+# STYLE_CAP x |style|: within them the ordering in the module docstring holds; check_config enforces both
+WEIGHT_RANGES = {"correctness": (0.1, 10.0), "tests_fraction": (0.0, 10.0), "style": (-1.0, 0.0),
+                 "communication": (0.0, 10.0), "invalid_calls": (-10.0, 0.0), "unfinished_todos": (-10.0, 0.0),
+                 "repeated_calls": (-10.0, 0.0), "forbidden_edits": (-10.0, 0.0), "length": (-1.0, 0.0)}
+OTHER_RANGES = {"length.k": (1e-6, 1.0), "length.q": (0.0, 2.0), "length.counts": (0.0, 100.0),
+                "communication.concise_words": (1.0, 10000.0)}
 PARTS = tuple(DEFAULT_WEIGHTS["weights"])
 
 
@@ -55,22 +77,29 @@ PARTS = tuple(DEFAULT_WEIGHTS["weights"])
 # the parts
 # --------------------------------------------------------------------------------------------------------
 
-_PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|error|errors|xpassed|xfailed)\b")
+STYLE_CAP = 10
 
 
-def passed_fraction(exit_code: Optional[int], output: str) -> float:
-    """passed / (passed + failed + errors) from the last pytest summary line; else 1.0 on exit 0, 0.0 otherwise."""
-    summary = [line for line in output.splitlines() if _PYTEST_COUNTS.search(line) and " in " in line]
-    if summary:
-        counts = {}
-        for number, kind in _PYTEST_COUNTS.findall(summary[-1]):
-            kind = "error" if kind == "errors" else kind
-            counts[kind] = counts.get(kind, 0) + int(number)
-        passed = counts.get("passed", 0) + counts.get("xfailed", 0)
-        total = passed + counts.get("failed", 0) + counts.get("error", 0) + counts.get("xpassed", 0)
-        if total:
-            return passed / total
-    return 1.0 if exit_code == 0 else 0.0
+_TEST_RUN = re.compile(r"pytest|unittest|\b(tox|nox)\b|\b(make|npm|go|cargo)\s+test\b|\btest\w*\.py\b|_test\.py\b")
+
+
+def last_test_run(calls) -> Optional[bool]:
+    """Whether the episode's last run_command that ran tests (pytest, unittest, tox, make test, a test_*.py ...)
+    exited 0; None if none did."""
+    for call in reversed(calls):
+        parsed = call.parsed or {}
+        if call.name == "run_command" and call.valid and _TEST_RUN.search(parsed.get("command", "")):
+            last = call.observation.rstrip().rsplit("\n", 1)[-1]
+            return last == "[exit code 0]"
+    return None
+
+
+_CLAIM = re.compile(r"\b(tests?|pytest|suite)\b[^.;\n]{0,40}\b(pass|passes|passed|passing|green|succeed\w*)\b|"
+                    r"\b(all|everything)\b[^.;\n]{0,20}\b(pass|passes|passed|passing|green)\b", re.I)
+
+
+def claims_passing(message: Optional[str]) -> bool:
+    return bool(message and _CLAIM.search(message))
 
 
 def changed_lines(old: str, new: str) -> set[int]:
@@ -136,6 +165,29 @@ def communication(message: Optional[str], changed_files: list[str], concise_word
     return score
 
 
+_JUDGE: Optional[Callable[["EpisodeFacts"], float]] = None
+
+
+def set_communication_judge(judge: Optional[Callable[["EpisodeFacts"], float]]):
+    """Replace the communication heuristic by judge(facts) -> [0, 1] (e.g. an LLM asked whether the final
+    message truthfully says what changed and how it was checked); None restores the heuristic. The gates stay:
+    an episode that changed nothing or whose claim is contradicted earns 0 whatever the judge says."""
+    global _JUDGE
+    _JUDGE = judge
+
+
+def communication_part(facts: "EpisodeFacts", concise_words: int) -> float:
+    """communication(), paid only to an episode that changed something and whose claim of passing tests (if it
+    makes one) is backed by its own last test run: a claim after a failing run, or with no test run at all, is 0."""
+    if not facts.changes:
+        return 0.0
+    if claims_passing(facts.final_message) and facts.last_test_run is not True:
+        return 0.0
+    if _JUDGE is not None:
+        return min(1.0, max(0.0, float(_JUDGE(facts))))
+    return communication(facts.final_message, sorted(facts.changes), concise_words)
+
+
 def repeated_calls(calls: list[tuple[str, str]]) -> int:
     """Calls identical (name and canonical arguments) to an earlier call of the episode."""
     seen, repeats = set(), 0
@@ -175,8 +227,10 @@ def length_x(counts: dict[str, float], weights: dict[str, float]) -> float:
 class EpisodeFacts:
     """Everything the reward needs from a finished episode (filled by the episode loop)."""
 
-    test_exit_code: Optional[int]
-    test_output: str
+    correct: Optional[bool] = None                    # every expected test passed (grading.py); None: from
+    tests_fraction: Optional[float] = None            # test_exit_code == 0, and tests_fraction = correctness
+    test_exit_code: Optional[int] = None              # exit-code grading (non-pytest commands)
+    test_output: str = ""
     changes: dict = field(default_factory=dict)       # path -> (old text, new text) of changed text files
     final_message: Optional[str] = None
     calls: list = field(default_factory=list)         # (name, argument text) of every tool call
@@ -184,6 +238,8 @@ class EpisodeFacts:
     unfinished_todos: int = 0
     forbidden_edits: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)        # the LENGTH_COUNTS
+    last_test_run: Optional[bool] = None              # last_test_run(): did the agent's last test command pass
+    style_violations: Optional[int] = None            # precomputed style count (None: ruff runs on `changes`)
 
 
 @dataclass
@@ -203,13 +259,16 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
     """All reward parts of an episode and their weighted sum under config (a WeightFile's current value)."""
     config = config or DEFAULT_WEIGHTS
     x = length_x(facts.counts, config["length"]["counts"])
-    correct = float(facts.test_exit_code == 0)
+    correct = float(bool(facts.correct) if facts.correct is not None else facts.test_exit_code == 0)
+    fraction = facts.tests_fraction if facts.tests_fraction is not None else correct
+    style = 0
+    if correct:
+        style = facts.style_violations if facts.style_violations is not None else style_violations(facts.changes)
     parts = {
         "correctness": correct,
-        "tests_fraction": passed_fraction(facts.test_exit_code, facts.test_output),
-        "style": float(style_violations(facts.changes)),
-        "communication": communication(facts.final_message, sorted(facts.changes),
-                                       config["communication"]["concise_words"]),
+        "tests_fraction": float(fraction) if facts.changes or correct else 0.0,
+        "style": float(min(style, STYLE_CAP)),
+        "communication": communication_part(facts, config["communication"]["concise_words"]),
         "invalid_calls": float(facts.invalid_calls),
         "unfinished_todos": float(facts.unfinished_todos),
         "repeated_calls": float(repeated_calls(facts.calls)),
@@ -218,6 +277,26 @@ def score(facts: EpisodeFacts, config: Optional[dict] = None) -> Score:
     }
     weights = config["weights"]
     return Score(parts, dict(weights), sum(weights.get(k, 0.0) * v for k, v in parts.items()), x)
+
+
+def check_ranges(config: dict, where: str):
+    """Every weight and shape parameter within WEIGHT_RANGES / OTHER_RANGES (outside them the ordering
+    correct > wrong attempt >= no-op >= broken calls / stalling can fail); the error names the key and range."""
+    values = [(f"weights.{k}", v, WEIGHT_RANGES[k]) for k, v in config["weights"].items()]
+    values += [(f"length.{k}", config["length"][k], OTHER_RANGES[f"length.{k}"]) for k in ("k", "q")]
+    values += [(f"length.counts.{k}", v, OTHER_RANGES["length.counts"]) for k, v in config["length"]["counts"].items()]
+    values.append(("communication.concise_words", config["communication"]["concise_words"],
+                   OTHER_RANGES["communication.concise_words"]))
+    for key, value, (low, high) in values:
+        if not low <= value <= high:
+            raise ValueError(f"{where}: {key} = {value:g} is outside the documented range [{low:g}, {high:g}] "
+                             "(megatron_ext/env/rewards.py WEIGHT_RANGES: outside it a no-op or a broken tool call "
+                             "can outscore a wrong attempt, or a wrong attempt a correct one)")
+    w = config["weights"]
+    if not w["correctness"] > w["communication"] - STYLE_CAP * w["style"]:
+        raise ValueError(f"{where}: weights.correctness ({w['correctness']:g}) must exceed weights.communication "
+                         f"({w['communication']:g}) + {STYLE_CAP} x |weights.style| ({-w['style']:g}): otherwise a "
+                         "wrong attempt with a good message can outscore a correct solution")
 
 
 def check_config(config, where: str) -> dict:
@@ -246,6 +325,7 @@ def check_config(config, where: str) -> dict:
                 out[section][key] = float(v)
     if out["length"]["k"] <= 0:
         raise ValueError(f"{where}: length.k must be positive")
+    check_ranges(out, where)
     return out
 
 
@@ -263,6 +343,7 @@ def override_weights(config: dict, items: list[str]) -> dict:
         if name.strip() not in out["weights"]:
             raise ValueError(f"--env-reward-weight {item!r}: unknown part; parts: {sorted(out['weights'])}")
         out["weights"][name.strip()] = number
+    check_ranges(out, "--env-reward-weight")
     return out
 
 

@@ -485,6 +485,8 @@ class BubblewrapConfig:
     base_dir: Optional[str] = None            # host folder for sandbox copies; default: the system temp dir
     python: Optional[str] = sys.executable    # interpreter the commands use: its venv and base prefix are bound
     ro_binds: tuple = ()                      # more host paths bound read-only at the same place
+    binds: tuple = ()                         # (host path, sandbox path, writable) triples bound outside the
+    #                                           workspace: the grader's runner and report folders (grading.py)
     uid: int = 1000                           # user id inside the sandbox
     host_uid: int = NOBODY                    # host user the sandbox runs as when this process is root
     allow_weaker: bool = False                # start even when a configured limit cannot be enforced
@@ -613,7 +615,19 @@ class BubblewrapSandbox:
                  "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "USER", "agent",
                  "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
                  "--chdir", WORKDIR, "--remount-ro", "/", "--", "/bin/sh", "-c", command]
-        return argv
+        return self._with_binds(argv)
+
+    def _with_binds(self, argv: list[str]) -> list[str]:
+        """argv with config.binds mounted after every other mount (so a bind over part of the workspace wins)."""
+        staged = getattr(self, "staged", self.root)  # where this sandbox's folder is reachable to bwrap
+        extra = []
+        for host, inside, writable in self.config.binds:
+            host = os.path.abspath(host)
+            if host == self.root or host.startswith(self.root + os.sep):
+                host = os.path.join(staged, os.path.relpath(host, self.root))
+            extra += ["--bind" if writable else "--ro-bind", host, inside]
+        at = argv.index("--clearenv")
+        return argv[:at] + extra + argv[at:]
 
     def launcher(self) -> list[str]:
         """What runs before bwrap, as exec'd programs rather than a preexec_fn: a preexec_fn makes Python fork the

@@ -33,7 +33,8 @@ def overview_rows(summary: dict) -> list:
             [f"best-of-{summary['best_of_k']['passes']}: reward", fmt(summary["best_of_k"]["reward"]),
              "mean over tasks of the best pass's total reward"],
             ["mean reward", fmt(summary["reward"]), "weighted sum of the reward parts"],
-            ["tests passed (fraction)", fmt(summary["tests_fraction"]), "from the hidden tests' pytest summary"],
+            ["tests passed (fraction)", fmt(summary["tests_fraction"]),
+             "expected hidden tests passed, from per-test outcomes (docs/grading.md)"],
             ["episodes", fmt(summary["episodes"]), f"{summary['tasks_run']} of {summary['tasks']} tasks x "
                                                    f"{summary['passes']} passes; complete: {fmt(summary['complete'])}"],
             ["statuses", ", ".join(f"{k} {v}" for k, v in sorted(summary["statuses"].items())) or "-", ""]]

@@ -53,7 +53,7 @@ def test_noop_scores_zero_and_sees_no_hidden_tests_or_history(tmp_path):
     assert not any(".git" in e or "tests_hidden" in e for e in listing)
     assert r.reward["correctness"] == 0.0 and r.reward["tests_fraction"] == 0.0
     assert "4 failed" in r.grading["output"]
-    assert r.reward["communication"] == 0.5  # the scripted finish message exists and is short, says nothing more
+    assert r.reward["communication"] == 0.0  # changed nothing: no communication reward (issue 23)
 
 
 def test_test_file_editor_is_caught_and_restored(tmp_path):
@@ -62,10 +62,10 @@ def test_test_file_editor_is_caught_and_restored(tmp_path):
     r = _run(tmp_path, cheat)
     assert r.grading["forbidden_edits"] == ["conftest.py", "tests/test_visible.py"]
     assert r.reward["forbidden_edits"] == 2.0 and r.reward["correctness"] == 0.0
-    # the same cheat without the restore would have passed: the restore is what caught it
+    # a task that forbids nothing still cannot be steered by a conftest.py: the grader's own rule restores it
     (tmp_path / "again").mkdir()
     unguarded = _run(tmp_path / "again", cheat, forbidden=[])
-    assert unguarded.reward["correctness"] == 1.0 and unguarded.reward["forbidden_edits"] == 0.0
+    assert unguarded.reward["correctness"] == 0.0 and unguarded.grading["forbidden_edits"] == ["conftest.py"]
 
 
 def test_malformed_calls_are_penalised_never_fatal(tmp_path):

@@ -128,6 +128,10 @@ def test_mine_a_git_repository_and_play_the_tasks(tmp_path):
                                      "mathy-repo:mathy/__init__.py::Stack.push"]
     add, mul, push = tasks
     assert add.metadata["fail_to_pass"] == ["tests/test_mathy.py::test_add"]
+    # the other tests of the file that pass before and after: grading expects them too (never the reference's bug)
+    assert add.metadata["pass_to_pass"] == ["tests/test_mathy.py::TestStack::test_push",
+                                            "tests/test_mathy.py::test_mentions_unused_and_tiny",
+                                            "tests/test_mathy.py::test_mul"]
     assert push.metadata["fail_to_pass"] == ["tests/test_mathy.py::TestStack::test_push"]
     assert "--deselect tests/test_mathy.py::test_reference_bug" in mul.test_command
     assert "Sum of a and b." in add.instruction and "def add(a, b)" in add.instruction

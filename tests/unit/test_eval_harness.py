@@ -106,7 +106,8 @@ def test_noop_scores_zero(runs):
     s = _summary(os.path.join(runs["root"], "noop_run"))
     assert s["accuracy"] == 0.0 and s["accuracy_ci"] == [0.0, 0.0] and s["pass_at_k"]["2"] == 0.0
     assert s["best_of_k"]["accuracy"] == 0.0 and s["code_quality"]["diff_lines"] == 0.0
-    assert s["efficiency"]["tool_calls"] == 1.0 and s["interaction"]["communication"] == 0.5
+    # changed nothing: no communication reward (issue 23)
+    assert s["efficiency"]["tool_calls"] == 1.0 and s["interaction"]["communication"] == 0.0
     assert s["prices_per_million_tokens"] is None and s["efficiency"]["cost"] == 0.0
 
 

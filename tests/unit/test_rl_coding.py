@@ -171,7 +171,7 @@ def test_weights_file_changes_take_effect_at_the_step_they_are_read(tmp_path, to
     path = tmp_path / "weights.json"
     path.write_text(json.dumps({"weights": {"communication": 0.3}}))
     logged = []
-    factory = CodingEnvFactory(_env_args(["--env-reward-weights", str(path), "--env-reward-weight", "style=-1"]),
+    factory = CodingEnvFactory(_env_args(["--env-reward-weights", str(path), "--env-reward-weight", "style=-0.01"]),
                                tokenizer, log=logged.append)
     assert factory().env.config.weights["weights"]["communication"] == 0.3
     assert factory.read_weights(3)["weights"]["communication"] == 0.3  # unchanged file: nothing new logged
@@ -180,16 +180,16 @@ def test_weights_file_changes_take_effect_at_the_step_they_are_read(tmp_path, to
     config = factory.read_weights(5)
     assert [step for step, _ in factory.weight_file.changes] == [0, 5]
     assert "step 5" in logged[-1] and len(logged) == 2
-    assert config["weights"]["communication"] == 0.7 and config["weights"]["style"] == -1.0  # overrides kept
+    assert config["weights"]["communication"] == 0.7 and config["weights"]["style"] == -0.01  # overrides kept
     assert factory().env.config.weights["weights"]["communication"] == 0.3  # until the trainer hands it over
     factory.use_weights(config)
     assert factory().env.config.weights["weights"]["communication"] == 0.7
     # the trainer's hook before a step's rollouts (one rank: no broadcast)
-    path.write_text(json.dumps({"weights": {"communication": 0.9}}))
+    path.write_text(json.dumps({"weights": {"communication": 0.75}}))
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 2 * 10**9))
     RLTrainer._sync_reward_weights(SimpleNamespace(make_env=factory, rank=0), 8)
     assert [step for step, _ in factory.weight_file.changes] == [0, 5, 8] and "step 8" in logged[-1]
-    assert factory().env.config.weights["weights"]["communication"] == 0.9
+    assert factory().env.config.weights["weights"]["communication"] == 0.75
 
 
 def _composer():
