@@ -186,6 +186,16 @@ def is_heldout(op: str, digits: str) -> bool:
     return zlib.crc32(f"{op}:{digits}".encode()) % 10 == 0
 
 
+def split_size(split: str, ops: list[str], min_len: int, max_len: int, exact_up_to: int = 100_000) -> int:
+    """How many distinct (op, input) pairs a split holds: counted when the space is small, else its expected size
+    (the held-out split is a tenth of the space)."""
+    total = len(ops) * sum(10 ** n for n in range(min_len, max_len + 1))
+    if total > exact_up_to:
+        return total // 10 if split == "heldout" else total - total // 10
+    return sum(is_heldout(op, str(i).zfill(n)) == (split == "heldout")
+               for op in ops for n in range(min_len, max_len + 1) for i in range(10 ** n))
+
+
 def digit_tasks(split: str, count: int, seed: int = 0, ops: Optional[list[str]] = None, min_len: int = 3,
                 max_len: int = 6) -> list[dict]:
     """`count` tasks of a split ('train' or 'heldout'), each {'id', 'op', 'input', 'answer'}; deterministic.
