@@ -96,6 +96,20 @@ def test_response_budget_longer_than_the_sequence_is_refused_at_start(tmp_path, 
     assert "--grpo-max-response-length 200" in err and "more than --seq-length 64" in err
 
 
+def test_prompt_file_identity_tells_ids_from_contents():
+    from megatron_ext.rl.prompt_identity import prompt_file_change, prompt_identity
+
+    tasks = digit_tasks("train", 4, seed=7)
+    same = prompt_identity(tasks)
+    assert prompt_file_change(same, prompt_identity([dict(t) for t in tasks])) is None
+    assert prompt_file_change(None, same) is None  # a checkpoint from before the record
+    assert "ids differ" in prompt_file_change(same, prompt_identity(tasks[::-1]))
+    edited = [dict(t) for t in tasks]
+    edited[2]["input"] = "9999"
+    assert "contents differ" in prompt_file_change(same, prompt_identity(edited))
+
+
+@pytest.mark.slow
 def test_resume_on_another_prompt_file_is_refused_unless_asked(tmp_path):
     """One run: 2 steps of 2 prompts x 4 samples. Its log line counts the 8 trained samples per step; resuming it on
     a regenerated file (same count, other prompts) is refused, and --rl-new-prompts starts that file from its first
@@ -118,4 +132,6 @@ def test_a_run_whose_every_step_is_skipped_does_not_exit_0(tmp_path):
     p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--train-iters", "2", "--inject-nan-iterations", "1", "2",
                      "--save", str(tmp_path / "ckpt")], check=False)
     assert p.returncode == 1 and "all 2 RL steps of this run were skipped" in p.stderr
+    # 2 prompts x 4 samples trained per step: the log line counts them, not --global-batch-size (4)
+    assert "consumed samples:            8" in p.stdout and "consumed samples:           16" in p.stdout
     assert not os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
