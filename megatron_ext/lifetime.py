@@ -12,6 +12,10 @@ in every spawned child (which imports the entry script's module, and with it thi
   below instead;
 * a spawned multiprocessing child watches its parent from a daemon thread and exits when it is gone.
 
+* processes started by exec (Ray's local instance: its GCS and raylet die with the trainer, but the raylet's
+  dashboard and runtime-env agents outlive it, their exit hung on the dead GCS, and catch SIGTERM) are reaped by a
+  watcher process (`supervise_descendants`) that records the trainer's descendants and kills them when it dies.
+
 Forked children keep the SIGTERM handler they inherit: a SLURM preemption signals every process of the job, and a
 checkpoint writer must finish the save the trainer is about to make.
 """
@@ -73,3 +77,53 @@ def install():
     # A multiprocessing spawn child importing the entry script's modules (its sys.argv is the parent's by then).
     if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
         _watch_parent(os.getppid())
+
+
+_WATCHER = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: outlive the trainer's shutdown
+trainer, me, known = int(sys.argv[1]), os.getpid(), {}
+
+
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), fields[19]  # state, parent, start time (tells a reused pid apart)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+while (s := stat(trainer)) is not None and s[0] not in "ZX":
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (c := stat(int(name))) is not None:
+            children.setdefault(c[1], []).append((int(name), c[2]))
+    todo = [trainer]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if pid != me:
+                known[pid] = start
+                todo.append(pid)
+    time.sleep(float(sys.argv[2]))
+for pid, start in known.items():
+    if (s := stat(pid)) is not None and s[2] == start and s[0] not in "ZX":
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+_watcher = None
+
+
+def supervise_descendants(interval: float = 1.0):
+    """Start (once) a watcher that kills this process's descendants, children of children included, when this
+    process dies, however it dies. For helpers started by exec that the at-fork hook never sees; a descendant
+    started less than `interval` before the death can escape."""
+    global _watcher
+    if _watcher is not None or not sys.platform.startswith("linux"):
+        return
+    import subprocess
+
+    _watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(interval)],
+                                stdin=subprocess.DEVNULL, close_fds=True)

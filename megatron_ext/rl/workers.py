@@ -288,6 +288,7 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
     if ray.is_initialized():
         return
     import megatron_ext
+    from megatron_ext import lifetime
 
     pkg = os.path.dirname(os.path.abspath(megatron_ext.__file__))
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -298,6 +299,7 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
         else:
             env_vars["PYTHONPATH"] = os.pathsep.join([os.path.dirname(pkg)] + [p for p in os.environ.get(
                 "PYTHONPATH", "").split(os.pathsep) if p])
+            lifetime.supervise_descendants()  # the local instance's agents would outlive a killed trainer
             ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars},
                      log_to_driver=True)
     except Exception as e:  # noqa: BLE001 (Ray raises many types; all mean the same here)
