@@ -9,7 +9,7 @@
         --rl-log-dir logs/rl --train-iters 40
     # the agentic coding environment: repository tasks mined by tools/mine_tasks.py, graded in a sandbox
     python rl_composer.py --rl-env coding --rl-prompts tasks/tasks.jsonl --tokenizer-model TOKENIZER \
-        --load ckpt/sft --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
+        --load ckpt/sft --finetune --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
     # an agent swarm: the trained orchestrator delegates to frozen sub-agents (PARL, megatron_ext/env/swarm.py)
     python rl_composer.py --rl-env swarm --swarm-subagent-policy endpoint:http://HOST:PORT ... (coding flags)
 
