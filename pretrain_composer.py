@@ -22,7 +22,7 @@ from megatron_ext.data.indexed import DataError
 from megatron_ext.data.provider import build_data
 from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.models.provider import print_parameter_counts
-from megatron_ext.training.checkpointing import CheckpointError
+from megatron_ext.training.checkpointing import CheckpointError, check_save_target
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training import stages
 from megatron_ext.training.lm import forward_step, train_data_iterator, valid_data_iterator  # the LM step
@@ -41,7 +41,8 @@ def main(argv=None):
         return 0
     try:
         require_dataset(args)
-    except ArgumentError as e:
+        check_save_target(args)
+    except (ArgumentError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     initialize_distributed(args)

@@ -9,7 +9,7 @@
         --rl-log-dir logs/rl --train-iters 40
     # the agentic coding environment: repository tasks mined by tools/mine_tasks.py, graded in a sandbox
     python rl_composer.py --rl-env coding --rl-prompts tasks/tasks.jsonl --tokenizer-model TOKENIZER \
-        --load ckpt/sft --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
+        --load ckpt/sft --finetune --grpo-max-response-length 4096 --seq-length 16384 --env-reward-weights weights.json
     # an agent swarm: the trained orchestrator delegates to frozen sub-agents (PARL, megatron_ext/env/swarm.py)
     python rl_composer.py --rl-env swarm --swarm-subagent-policy endpoint:http://HOST:PORT ... (coding flags)
 
@@ -34,7 +34,7 @@ from megatron_ext.env.arguments import add_env_args, add_swarm_args
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.rl.arguments import add_rl_args, fleet_config, loss_config, sampling_config, validate_rl_args
 from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, DigitEnv, Rubric, parse_weights,
-                                 read_prompts)
+                                 prompt_tokens, read_prompts)
 from megatron_ext.rl.coding import coding_data_provider
 from megatron_ext.rl.orchestrator import WorkerFailure
 from megatron_ext.rl.swarm import swarm_data_provider
@@ -51,7 +51,14 @@ def data_provider(args):
     if args.rl_env == "swarm":
         return swarm_data_provider(args)
     tasks = read_prompts(args.rl_prompts)
-    eval_tasks = read_prompts(args.rl_eval_prompts) if args.rl_eval_prompts else []
+    eval_tasks = read_prompts(args.rl_eval_prompts, "--rl-eval-prompts") if args.rl_eval_prompts else []
+    longest = max(tasks + eval_tasks, key=lambda t: len(prompt_tokens(t)))
+    need = len(prompt_tokens(longest)) + args.grpo_max_response_length
+    if need > args.seq_length:
+        raise ArgumentError(f"task {longest['id']}: its prompt ({len(prompt_tokens(longest))} tokens) and "
+                            f"--grpo-max-response-length {args.grpo_max_response_length} need {need} positions, more "
+                            f"than --seq-length {args.seq_length}: raise --seq-length or lower "
+                            "--grpo-max-response-length")
     try:
         weights = {**DEFAULT_DIGIT_WEIGHTS, **parse_weights(args.rl_reward_weights)}
         rubric = Rubric(DIGIT_REWARDS, weights)
@@ -77,7 +84,7 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
                     eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup,
                     speculative=args.rl_speculative, speculative_depth=args.rl_speculative_depth,
                     remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir,
-                    fleet=fleet_config(args))
+                    fleet=fleet_config(args), new_prompts=args.rl_new_prompts)
 
 
 def main(argv=None):

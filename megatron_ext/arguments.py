@@ -14,66 +14,16 @@ from typing import Callable, Iterable, Optional
 from megatron_ext import gpu, platform
 from megatron_ext.training import stages
 from megatron_ext.models import attn_residuals
-from megatron_ext.models.presets import PRESETS, ModelPreset, get_preset, parse_layer_pattern
+from megatron_ext.models.presets import ARCH_FLAGS, ARCH_SWITCHES, PRESETS, ModelPreset, get_preset, parse_layer_pattern
 
 
 class ArgumentError(ValueError):
     """A bad flag or flag combination; the message names the flag and the fix."""
 
 
-# Architecture flags: flag name -> (preset field, type, help). Defaults come from the preset.
-_ARCH_FLAGS = {
-    "--num-layers": ("num_layers", int, "number of transformer layers"),
-    "--hidden-size": ("hidden_size", int, "model width"),
-    "--ffn-hidden-size": ("ffn_hidden_size", int, "hidden size of the dense MLP layers"),
-    "--num-attention-heads": ("num_attention_heads", int, "attention heads"),
-    "--vocab-size": ("vocab_size", int, "vocabulary size before padding (a tokenizer sets it later)"),
-    "--q-lora-rank": ("q_lora_rank", int, "MLA query latent rank (0: no query compression)"),
-    "--kv-lora-rank": ("kv_lora_rank", int, "MLA key/value latent rank"),
-    "--qk-head-dim": ("qk_head_dim", int, "MLA per-head query/key dim without position part"),
-    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", int, "MLA per-head rotary query/key dim"),
-    "--v-head-dim": ("v_head_dim", int, "MLA per-head value dim"),
-    "--num-experts": ("num_experts", int, "routed experts per MoE layer (0: dense model)"),
-    "--moe-router-topk": ("moe_router_topk", int, "experts each token is routed to"),
-    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int, "hidden size of each routed expert"),
-    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", int,
-                                              "hidden size of the shared expert (0: none)"),
-    "--first-k-dense-replace": ("first_k_dense", int, "the first k layers use a dense MLP instead of MoE"),
-    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", float,
-                                         "scale of the renormalised top-k routing weights"),
-    "--moe-router-num-groups": ("moe_router_num_groups", int, "expert groups for group-limited routing"),
-    "--moe-router-group-topk": ("moe_router_group_topk", int, "groups each token may use"),
-    "--moe-router-score-function": ("moe_router_score_function", str, "softmax or sigmoid"),
-    "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", str,
-                                         "aux_loss, seq_aux_loss, global_aux_loss or none"),
-    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", float, "weight of the load-balancing loss"),
-    "--rotary-base": ("rotary_base", float, "RoPE theta"),
-    "--position-embedding-type": ("rope_type", str, "rope or yarn"),
-    "--rotary-scaling-factor": ("rotary_scaling_factor", float, "YaRN context extension factor"),
-    "--original-max-position-embeddings": ("original_max_position_embeddings", int,
-                                           "context length the rotary frequencies were trained for"),
-    "--beta-fast": ("beta_fast", float, "YaRN beta_fast"),
-    "--beta-slow": ("beta_slow", float, "YaRN beta_slow"),
-    "--mscale": ("mscale", float, "YaRN mscale"),
-    "--mscale-all-dim": ("mscale_all_dim", float, "YaRN mscale_all_dim (also scales the softmax)"),
-    "--max-position-embeddings": ("max_position_embeddings", int, "longest supported sequence"),
-    "--norm-epsilon": ("norm_epsilon", float, "RMSNorm epsilon"),
-    "--mtp-num-layers": ("mtp_num_layers", int, "multi-token-prediction layers (0: none)"),
-    "--seq-length": ("seq_length", int, "training sequence length"),
-    # Kimi Linear hybrid (models/kda.py)
-    "--hybrid-layer-pattern": ("hybrid_layer_pattern", str,
-                               "layer kinds, one per layer: K (Kimi Delta Attention) or M (MLA), e.g. KKKMKKKM or "
-                               "'KDA KDA KDA MLA'"),
-    "--kda-num-heads": ("kda_num_heads", int, "Kimi Delta Attention heads"),
-    "--kda-head-dim": ("kda_head_dim", int, "Kimi Delta Attention head dim (keys and values)"),
-    "--kda-conv-kernel-size": ("kda_conv_kernel", int, "width of KDA's short causal convolutions"),
-    "--attention-residuals": ("attention_residuals", str,
-                              "Attention Residuals: each layer's input is a learned softmax mixture of the embedding "
-                              "and earlier layer outputs (full) or block sums (block); none: plain residuals"),
-    "--attn-res-block-size": ("attn_res_block_size", int,
-                              "--attention-residuals block: sublayers per block, attention and MLP counting one "
-                              "each (0: about 8 blocks)"),
-}
+# Architecture flags live with the preset fields they set (models/presets.py), so that checkpointing can name
+# them without importing this module.
+_ARCH_FLAGS = ARCH_FLAGS
 
 
 def _add_model_args(parser: argparse.ArgumentParser):
@@ -215,6 +165,10 @@ def _add_checkpoint_safety_args(g):
     g.add_argument("--load-optional", action="store_true",
                    help="a --load directory that does not exist means: start from scratch (without this, a "
                         "missing --load is an error unless it is also --save, the usual resumable-job setup)")
+    g.add_argument("--override-save", action="store_true",
+                   help="start over in a --save directory that already holds checkpoints (without --load of that "
+                        "directory): this run's checkpoints replace those of the same iteration. Without it such a "
+                        "run is refused, as it would overwrite them")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="on resume, take the learning-rate schedule (--lr, --min-lr, --lr-*) from the flags "
                         "instead of the checkpoint")
@@ -271,7 +225,7 @@ def resolve_preset(args: argparse.Namespace, base: Optional[ModelPreset] = None)
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             changes[field] = value
-    for field in ("moe_router_enable_expert_bias", "untie_embeddings_and_output_weights", "mla_nope"):
+    for field in ARCH_SWITCHES:
         if getattr(args, field, None) is not None:
             changes[field] = getattr(args, field)
     # 0 switches optional parts off, as a flag cannot say None.
@@ -371,10 +325,11 @@ def _validate_training(args: argparse.Namespace):
 
 def _validate_ranges(args: argparse.Namespace):
     """Values that would otherwise fail deep inside (ZeroDivisionError, a misleading --min-lr message)."""
-    for flag in ("lr", "min_lr", "lr_warmup_init", "weight_decay"):
+    for flag in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
         value = getattr(args, flag)
         if not math.isfinite(value) or value < 0:
-            _fail(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+            _fail(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}"
+                  + (" (0 switches clipping off)" if flag == "clip_grad" else ""))
     for flag in ("micro_batch_size", "global_batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -18,6 +18,18 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex
 from megatron_ext.data.corpus import DEFAULT_EXCLUDE, LANGUAGES, build_corpus, stdlib_dir  # noqa: E402
 
 
+def _nothing_written(stats, args) -> str:
+    """Which filter left nothing: the names (--input, --extensions, --exclude) or the sizes and contents."""
+    if stats.files_seen == 0:
+        return "no files matched; check --input, --extensions and --exclude"
+    reasons = [f"{n} {why}" for n, why in ((stats.too_small, f"below --min-bytes {args.min_bytes}"),
+                                           (stats.too_large, f"above --max-bytes {args.max_bytes}"),
+                                           (stats.not_text, "not UTF-8 text"),
+                                           (stats.duplicates, "exact duplicates")) if n]
+    return (f"{stats.files_seen} files matched --input and --extensions but none was kept: " + ", ".join(reasons)
+            + ("; lower --min-bytes" if stats.too_small else "") + ("; raise --max-bytes" if stats.too_large else ""))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", default=None,
@@ -45,7 +57,7 @@ def main(argv=None) -> int:
     stats = build_corpus(roots, args.output, extensions, args.exclude, args.min_bytes, args.max_bytes,
                          args.max_files)
     if stats.written == 0:
-        print(f"error: no files matched; check --input and --extensions ({args.output} was not written"
+        print(f"error: {_nothing_written(stats, args)} ({args.output} was not written"
               + (", the existing file is unchanged)" if os.path.exists(args.output) else ")"), file=sys.stderr)
         print("  " + "\n  ".join(stats.lines()), file=sys.stderr)
         return 1

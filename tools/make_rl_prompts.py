@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.rl.env import DEFAULT_OPS, OPS, digit_tasks, write_prompts  # noqa: E402
+from megatron_ext.rl.env import DEFAULT_OPS, OPS, digit_tasks, split_size, write_prompts  # noqa: E402
 
 
 def main(argv=None):
@@ -25,11 +25,20 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not 1 <= a.min_len <= a.max_len:
         p.error("--min-len must be >= 1 and <= --max-len")
+    for split, count in (("train", a.train), ("heldout", a.heldout)):
+        space = split_size(split, a.ops, a.min_len, a.max_len)
+        if count > space:
+            p.error(f"--{split} {count} asks for more prompts than the {space} distinct (op, input) pairs of the "
+                    f"{split} split (--ops {' '.join(a.ops)}, --min-len {a.min_len}, --max-len {a.max_len}): raise "
+                    f"--max-len, add --ops or lower --{split}")
     os.makedirs(a.out, exist_ok=True)
     for split, count in (("train", a.train), ("heldout", a.heldout)):
         path = os.path.join(a.out, f"{split}.jsonl")
-        write_prompts(path, digit_tasks(split, count, a.seed, a.ops, a.min_len, a.max_len))
-        print(f"wrote {count} {split} prompts to {path}")
+        tasks = digit_tasks(split, count, a.seed, a.ops, a.min_len, a.max_len)
+        write_prompts(path, tasks)
+        distinct = len({(t["op"], t["input"]) for t in tasks})
+        print(f"wrote {count} {split} prompts to {path} ({distinct} distinct (op, input) pairs"
+              + (f"; {count - distinct} repeat an earlier one" if distinct < count else "") + ")")
     return 0
 
 

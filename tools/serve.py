@@ -36,6 +36,10 @@ def _serve_args(parser: argparse.ArgumentParser):
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--hf-dir", default=None, help="serve a Hugging Face checkpoint (imported first)")
     g.add_argument("--served-model-name", default=None, help="the name /v1/models reports")
+    g.add_argument("--random-weights", action="store_true",
+                   help="serve a randomly initialised model (smoke tests, demos) instead of a checkpoint; /health and "
+                        "/v1/models then report random_weights: true. Without --load (or --hf-dir) this flag is "
+                        "required, and a --load that holds no checkpoint is an error even with --load-optional")
     g.add_argument("--inference-max-seq-length", type=int, default=None,
                    help="context (prompt + generated tokens) to serve; default: the model's trained context "
                         "(--max-position-embeddings). Beyond it only for YaRN models: the YaRN factor is raised so "
@@ -112,8 +116,10 @@ def build_service(args):
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     peers = ModelParallelServing() if ModelParallelServing.needed() else None
-    return ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
-                        reload=CheckpointReload(args, model[0], log=print), peers=peers)
+    service = ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
+                           reload=CheckpointReload(args, model[0], log=print), peers=peers)
+    service.random_weights = getattr(args, "random_weights", False)
+    return service
 
 
 def main(argv=None) -> int:
@@ -144,6 +150,39 @@ def main(argv=None) -> int:
             signal.signal(sig, handler)
 
 
+def _weights_problem(args) -> str | None:
+    """Random weights are served only when asked for: a missing --load (or one without a checkpoint) is not."""
+    from megatron_ext.training.checkpointing import read_tracker
+
+    if args.random_weights:
+        return "--random-weights and --load exclude each other: drop one" if args.load else None
+    if not args.load:
+        return ("no weights to serve: pass --load CKPT (or --hf-dir HF), or --random-weights to serve a randomly "
+                "initialised model")
+    if read_tracker(args.load) is None:
+        return (f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt); --load-optional "
+                "does not apply to serving: fix the path, or pass --random-weights (without --load) to serve a "
+                "randomly initialised model")
+    return None
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """A port already in use, found before the model is built."""
+    import socket
+
+    if port == 0:
+        return None
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind((host, port))
+    except OSError as e:
+        return f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port (0: any free one)"
+    finally:
+        probe.close()
+    return None
+
+
 def _serve(argv: list) -> int:
     from megatron_ext.training.stages import StageError
 
@@ -153,6 +192,10 @@ def _serve(argv: list) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.finetune = True  # serving needs weights only
+    problem = _weights_problem(args) or _port_problem(args.host, args.port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     import torch.distributed as dist
 
     from megatron_ext.inference.server import serve
@@ -168,7 +211,13 @@ def _serve(argv: list) -> int:
         service.peers.follow(service)  # until rank 0 stops
         destroy()
         return 0
-    server = serve(service, args.host, args.port)
+    try:
+        server = serve(service, args.host, args.port)
+    except OSError as e:  # taken between the check above and now
+        print(f"error: --host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
+              "--port (0: any free one)", file=sys.stderr)
+        destroy()
+        return 2
     if service.peers is not None:
         service.peers.keep_alive(service)
     print(f"serving {args.model} on http://{args.host}:{server.server_address[1]}", flush=True)

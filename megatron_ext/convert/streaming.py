@@ -127,7 +127,8 @@ def _check_import_target(save: str, overwrite: bool, log):
         raise ConversionError(f"--save {save} already holds {what}: choose an empty directory, or pass "
                               "--overwrite to replace the import there")
     log(f"--overwrite: {save} holds {what}; the import replaces {RELEASE}/ and becomes the latest"
-        + ("" if tag == RELEASE else " (the iter_* directories are kept)"))
+        + ("" if tag == RELEASE else " (the iter_* directories are kept; training with --save there refuses to "
+                                     "overwrite them unless --override-save)"))
 
 
 def import_hf(hf_dir: str, save: str, dtype: str | None = None, no_mtp: bool = False, overwrite: bool = False,

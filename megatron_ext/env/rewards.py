@@ -316,17 +316,23 @@ def check_config(config, where: str) -> dict:
                 if not isinstance(v, dict) or set(v) - set(LENGTH_COUNTS):
                     raise ValueError(f"{where}: length.counts takes {list(LENGTH_COUNTS)}")
                 for name, w in v.items():
-                    if not isinstance(w, (int, float)) or isinstance(w, bool):
-                        raise ValueError(f"{where}: length.counts.{name} must be a number")
+                    _check_weight(w, f"{where}: length.counts.{name}")
                 out[section][key].update({n: float(w) for n, w in v.items()})
-            elif not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise ValueError(f"{where}: {section}.{key} must be a number")
             else:
+                _check_weight(v, f"{where}: {section}.{key}")
                 out[section][key] = float(v)
     if out["length"]["k"] <= 0:
         raise ValueError(f"{where}: length.k must be positive")
     check_ranges(out, where)
     return out
+
+
+def _check_weight(value, where: str):
+    """A weight is a finite number: NaN or Inf would make every reward NaN and every RL step skipped."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{where} must be a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value}")
 
 
 def override_weights(config: dict, items: list[str]) -> dict:
@@ -340,6 +346,7 @@ def override_weights(config: dict, items: list[str]) -> dict:
             number = None
         if not sep or number is None:
             raise ValueError(f"--env-reward-weight {item!r}: expected NAME=NUMBER")
+        _check_weight(number, f"--env-reward-weight {item!r}: the weight")
         if name.strip() not in out["weights"]:
             raise ValueError(f"--env-reward-weight {item!r}: unknown part; parts: {sorted(out['weights'])}")
         out["weights"][name.strip()] = number
@@ -367,7 +374,11 @@ class WeightFile:
         mtime = os.stat(self.path).st_mtime_ns
         try:
             with open(self.path) as f:
-                config = check_config(json.load(f), self.path)
+                try:
+                    loaded = json.load(f)
+                except ValueError as e:
+                    raise ValueError(f"--env-reward-weights {self.path}: invalid JSON ({e})") from None
+            config = check_config(loaded, self.path)
         except (ValueError, OSError) as e:
             if strict:
                 raise ValueError(str(e)) from None

@@ -45,6 +45,9 @@ from megatron_ext.inference.protocol import (MAX_N, Job, RequestError, bool_fiel
 from megatron_ext.inference.speculative import SpeculationStats
 from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
+SEED_MAX = 2**63 - 1 - MAX_N  # a 64-bit signed seed, and sample j of n draws with seed + j
+
+
 def _tools(value):
     if value is None:
         return None
@@ -71,6 +74,7 @@ class ModelService:
                  max_batch_rows: int = 64):
         self.engine, self.name, self.tokenizer, self._reload = engine, name, tokenizer, reload
         self.peers, self.max_batch_rows = peers, max_batch_rows
+        self.random_weights = False  # tools/serve.py --random-weights, until a checkpoint is reloaded
         if tokenizer is not None:
             if engine.detokenize is None:
                 engine.detokenize = tokenizer.decode  # stop strings and response text
@@ -103,7 +107,7 @@ class ModelService:
         params = SamplingParams(max_tokens=int_field(body, "max_tokens", 16, lo=1),
                                 temperature=float_field(body, "temperature", 1.0),
                                 top_p=float_field(body, "top_p", 1.0),
-                                top_k=int_field(body, "top_k", 0, lo=0), seed=int_field(body, "seed", None, lo=0),
+                                top_k=int_field(body, "top_k", 0, lo=0), seed=int_field(body, "seed", None, lo=0, hi=SEED_MAX),
                                 stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                                 return_routing=bool_field(body, "return_routing"))
         try:
@@ -127,6 +131,9 @@ class ModelService:
         logprobs = body.get("logprobs")
         if logprobs is not None and not (isinstance(logprobs, bool) or (isinstance(logprobs, int) and logprobs >= 0)):
             raise RequestError(f"'logprobs' must be true/false or an integer >= 0, got {logprobs!r}")
+        if not isinstance(logprobs, bool) and isinstance(logprobs, int) and logprobs > 1:
+            raise RequestError(f"'logprobs' {logprobs}: this server returns the sampled token's logprob only (top-N "
+                               "alternatives are not implemented); send 1 or true")
         if speculative and not self.engine.mtp_layers:
             raise RequestError("'speculative' needs a model with MTP layers (--mtp-num-layers >= 1)")
         if n > self.max_batch_rows:
@@ -328,7 +335,9 @@ class ModelService:
             raise RequestError("this server was started without a way to reload weights", status=501)
         with self.lock:
             try:
-                return self._call("reload", path) if version is None else self._call("reload", path, version)
+                version = self._call("reload", path) if version is None else self._call("reload", path, version)
+                self.random_weights = False
+                return version
             except ReloadError as e:
                 raise RequestError(f"cannot load {path}: {e}", status=e.status) from None
             except Exception as e:  # noqa: BLE001 - a bad checkpoint must not take the server down
@@ -474,14 +483,17 @@ def create_app(service: ModelService):
         except Exception as e:  # noqa: BLE001 - keep serving; report the failure to the caller
             return error(500, f"{type(e).__name__}: {e}")
 
+    random = {"random_weights": True}  # said only when true: a checkpoint's answers stay as before
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "weights_version": service.version}
+        return {"status": "ok", "weights_version": service.version, **(random if service.random_weights else {})}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": service.name, "object": "model",
-                                            "max_model_len": service.context_length}]}
+                                            "max_model_len": service.context_length,
+                                            **(random if service.random_weights else {})}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

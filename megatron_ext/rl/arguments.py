@@ -21,6 +21,10 @@ def add_rl_args(parser: argparse.ArgumentParser):
     g.add_argument("--rl-prompts", default=None, help="JSONL prompt file, one task with a unique 'id' per line "
                                                       "(tools/make_rl_prompts.py; coding: a task suite from "
                                                       "tools/mine_tasks.py); each id is trained on once")
+    g.add_argument("--rl-new-prompts", action="store_true",
+                   help="resume (--load) on a different --rl-prompts file than the checkpoint was trained on: the "
+                        "model and optimizer continue, the new file is taken from its first prompt (without this "
+                        "flag such a resume is refused, as the saved cursor would skip the new file's prompts)")
     g.add_argument("--rl-log-dir", default=None,
                    help="write trained_groups.jsonl, rollouts.jsonl and eval.jsonl here")
     g.add_argument("--grpo-group-size", type=int, default=8, help="samples per prompt (G)")
@@ -119,6 +123,10 @@ def validate_rl_args(args: argparse.Namespace):
                  "rl_max_turns", "rl_eval_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.grpo_group_size is not None and args.grpo_group_size < 2 and not args.rl_sft_warmup:
+        fail(f"--grpo-group-size {args.grpo_group_size}: GRPO's advantages are rewards minus the group's mean, so a "
+             "group of one sample has advantage 0 and trains nothing; use --grpo-group-size >= 2 (1 only with "
+             "--rl-sft-warmup)")
     if args.grpo_kl_beta < 0:
         fail("--grpo-kl-beta must be >= 0")
     if args.rl_remote_servers and not args.rl_remote_weights_dir:

@@ -15,6 +15,7 @@ hash of (op, input).
 from __future__ import annotations
 
 import json
+import math
 import random
 import traceback
 import zlib
@@ -50,6 +51,9 @@ class Rubric:
         unknown = set(weights) - set(parts)
         if unknown:
             raise ValueError(f"reward weights name unknown parts {sorted(unknown)}; known: {sorted(parts)}")
+        bad = {k: w for k, w in weights.items() if not math.isfinite(w)}
+        if bad:
+            raise ValueError(f"reward weights must be finite numbers, got {bad}")
         self.parts, self.weights = parts, {name: weights.get(name, 0.0) for name in parts}
 
     def set_weights(self, weights: dict[str, float]):
@@ -77,6 +81,8 @@ def parse_weights(text: str) -> dict[str, float]:
             raise ValueError(f"--rl-reward-weights: {item!r} is not NAME=NUMBER") from None
         if not sep:
             raise ValueError(f"--rl-reward-weights: {item!r} is not NAME=NUMBER")
+        if not math.isfinite(out[name.strip()]):
+            raise ValueError(f"--rl-reward-weights: {item!r}: a weight must be a finite number")
     return out
 
 
@@ -180,6 +186,16 @@ def is_heldout(op: str, digits: str) -> bool:
     return zlib.crc32(f"{op}:{digits}".encode()) % 10 == 0
 
 
+def split_size(split: str, ops: list[str], min_len: int, max_len: int, exact_up_to: int = 100_000) -> int:
+    """How many distinct (op, input) pairs a split holds: counted when the space is small, else its expected size
+    (the held-out split is a tenth of the space)."""
+    total = len(ops) * sum(10 ** n for n in range(min_len, max_len + 1))
+    if total > exact_up_to:
+        return total // 10 if split == "heldout" else total - total // 10
+    return sum(is_heldout(op, str(i).zfill(n)) == (split == "heldout")
+               for op in ops for n in range(min_len, max_len + 1) for i in range(10 ** n))
+
+
 def digit_tasks(split: str, count: int, seed: int = 0, ops: Optional[list[str]] = None, min_len: int = 3,
                 max_len: int = 6) -> list[dict]:
     """`count` tasks of a split ('train' or 'heldout'), each {'id', 'op', 'input', 'answer'}; deterministic.
@@ -203,13 +219,14 @@ def digit_tasks(split: str, count: int, seed: int = 0, ops: Optional[list[str]] 
             for i, (op, s) in enumerate(pairs)]
 
 
-def read_prompts(path: str) -> list[dict]:
-    """Tasks from a JSONL prompt file; every line needs a unique string 'id' (the exactly-once key)."""
+def read_prompts(path: str, flag: str = "--rl-prompts") -> list[dict]:
+    """Tasks from a JSONL prompt file; every line needs a unique string 'id' (the exactly-once key) and a valid
+    digit task, checked here so that a bad line stops the run before the model is built."""
     tasks, ids = [], set()
     try:
         f = open(path)
     except OSError as e:
-        raise ValueError(f"--rl-prompts {path}: cannot read ({e.strerror})") from None
+        raise ValueError(f"{flag} {path}: cannot read ({e.strerror})") from None
     with f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -217,19 +234,32 @@ def read_prompts(path: str) -> list[dict]:
             try:
                 task = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{number}: invalid JSON ({e})") from None
+                raise ValueError(f"{flag} {path}:{number}: invalid JSON ({e})") from None
             if not isinstance(task, dict) or not isinstance(task.get("id"), str):
-                raise ValueError(f"{path}:{number}: each prompt needs a string 'id'")
+                raise ValueError(f"{flag} {path}:{number}: each prompt needs a string 'id'")
             if task["id"] in ids:
-                raise ValueError(f"{path}:{number}: duplicate prompt id {task['id']!r}; ids must be unique")
-            for key in ("op", "input", "answer"):
-                if key not in task:
-                    raise ValueError(f"{path}:{number}: a digit task needs '{key}' (tools/make_rl_prompts.py)")
+                raise ValueError(f"{flag} {path}:{number}: duplicate prompt id {task['id']!r}; ids must be unique")
+            problem = _digit_task_problem(task)
+            if problem:
+                raise ValueError(f"{flag} {path}:{number}: {problem} (tools/make_rl_prompts.py writes valid tasks)")
             ids.add(task["id"])
             tasks.append(task)
     if not tasks:
-        raise ValueError(f"--rl-prompts {path} holds no prompts")
+        raise ValueError(f"{flag} {path} holds no prompts")
     return tasks
+
+
+def _digit_task_problem(task: dict) -> Optional[str]:
+    for key in ("op", "input", "answer"):
+        if not isinstance(task.get(key), str):
+            return f"a digit task needs a string '{key}'"
+    if task["op"] not in OPS:
+        return f"unknown op {task['op']!r}; known: {sorted(OPS)}"
+    if not task["input"] or not task["input"].isascii() or not task["input"].isdigit():
+        return f"input {task['input']!r} is not a non-empty string of digits"
+    if not task["answer"].isascii() or not task["answer"].isdigit():
+        return f"answer {task['answer']!r} is not a string of digits"
+    return None
 
 
 def write_prompts(path: str, tasks: list[dict]):

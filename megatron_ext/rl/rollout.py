@@ -8,6 +8,8 @@ environment segments, the sampler's tokens as model segments, exactly as produce
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -181,12 +183,23 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
 def _as_reward(score) -> Reward:
     """An environment's score as a Reward: anything with `parts`, `total` and optionally `error` (env.Rubric's
     Reward, the coding environment's Score)."""
-    if isinstance(score, Reward):
-        return score
-    try:
-        return Reward(dict(score.parts), float(score.total), getattr(score, "error", None))
-    except AttributeError:
-        raise TypeError(f"Environment.score() returned {type(score).__name__}; it needs .parts and .total") from None
+    if not isinstance(score, Reward):
+        try:
+            score = Reward(dict(score.parts), float(score.total), getattr(score, "error", None))
+        except AttributeError:
+            raise TypeError(f"Environment.score() returned {type(score).__name__}; it needs .parts and .total") \
+                from None
+    return finite_reward(score)
+
+
+def finite_reward(reward: Reward) -> Reward:
+    """A NaN/Inf total or part is the sample's error (total 0), as a reward function that raised: trained as a
+    failed sample, never as a NaN that skips the step and still logs the group as trained."""
+    bad = {k: v for k, v in reward.parts.items() if not math.isfinite(v)}
+    if math.isfinite(reward.total) and not bad:
+        return reward
+    what = ", ".join(f"{k}={v}" for k, v in bad.items()) or f"total={reward.total}"
+    return Reward(reward.parts, 0.0, error=(reward.error + "; " if reward.error else "") + f"non-finite reward: {what}")
 
 
 def reference_groups(tasks: list[dict], make_env: Callable[[], Environment]) -> list[Group]:
@@ -200,5 +213,5 @@ def reference_groups(tasks: list[dict], make_env: Callable[[], Environment]) -> 
         env.step(answer)
         sample = Sample(answer, [0.0] * len(answer), [0.0] * len(answer), [0] * len(answer), "stop")
         groups.append(Group(t["id"], [Rollout(t["id"], 0, [Segment.environment(prompt), Segment.model(sample)],
-                                              "stop", env.score())], [1.0]))
+                                              "stop", _as_reward(env.score()))], [1.0]))
     return groups

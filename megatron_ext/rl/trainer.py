@@ -42,11 +42,12 @@ from megatron_ext.rl.batch import micro_batches, rows_needed
 from megatron_ext.rl.env import Environment
 from megatron_ext.rl.ledger import EVAL, Ledger
 from megatron_ext.rl.loss import LossConfig, aggregation_weights
+from megatron_ext.rl.prompt_identity import prompt_file_change, prompt_identity
 from megatron_ext.rl.rollout import EpisodeConfig, GenerateFn, Sampling, reference_groups, run_groups
 from megatron_ext.rl.types import Group, TrainingSample
 from megatron_ext.training import checkpointing
 from megatron_ext.training.checkpointing import load_checkpoint, load_weights, read_tracker, save_checkpoint
-from megatron_ext.training.loop import SigtermWatcher, TrainingAborted, TrainingLogger, print_args
+from megatron_ext.training.loop import SigtermWatcher, TrainingAborted, TrainingLogger, inject_nan, print_args
 from megatron_ext.training.step import build_model, build_scheduler, run_schedule, setup_model_and_optimizer, \
     train_step
 from megatron_ext.rl.workers import FleetConfig
@@ -76,6 +77,7 @@ class RLConfig:
     speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
     remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
     remote_weights_dir: Optional[str] = None  # where each step's weights go for the servers to reload
+    new_prompts: bool = False  # resume on a different prompt file: its cursor starts at 0 (--rl-new-prompts)
 
 
 def _replica_ranks() -> tuple[int, int]:
@@ -213,13 +215,16 @@ class RLTrainer:
             self.reference = build_model(args, wrap_ddp=False)[0]
             self._copy_weights(self.model, self.reference)  # the initial policy, unless loaded below
         self.iteration, self.reference_source = 0, "init"
+        self.consumed_samples = 0  # trained sequences (groups x samples), what the log line counts
         log(resume_own_save(args), flush=True)
         if args.load:
             self.iteration, common = load_checkpoint(args, self.model, self.optimizer, self.scheduler, log=log)
             state = common.get("rl_state")
             if state is not None and self.iteration > 0:
-                self.ledger.load_state_dict(state)
                 self.reference_source = state.get("reference", "init")
+                self.consumed_samples = int(state.get("consumed_samples", 0))
+                if not self._prompts_changed(state):  # else --rl-new-prompts: the new file from its first prompt
+                    self.ledger.load_state_dict(state)
                 log(f"RL state: cursor {self.ledger.cursor}/{len(tasks)}, {len(self.ledger.in_flight)} prompts in "
                     f"flight, {len(self.ledger.pending)} finished groups pending")
             elif common:  # a run starting from a (pretrained / SFT) checkpoint: that is the reference
@@ -259,6 +264,21 @@ class RLTrainer:
         cp = parallel_state.get_context_parallel_world_size()
         self.pad_multiple = 2 * cp if cp > 1 else 1
         self.dp, self.dp_rank, self.cp = dp, parallel_state.get_data_parallel_rank(), cp
+
+    def _prompts_changed(self, state: dict) -> bool:
+        """Whether --rl-prompts is not the file the checkpoint's cursor counts into; refused unless
+        --rl-new-prompts."""
+        change = prompt_file_change(state.get("prompts"), prompt_identity(self.tasks))
+        if change is None:
+            return False
+        if not self.cfg.new_prompts:
+            raise checkpointing.CheckpointError(
+                f"--rl-prompts is not the prompt file {self.args.load} was trained on: {change}. Its cursor "
+                f"({state.get('cursor')} prompts taken) would skip prompts of this file. Resume with the same file, "
+                "or pass --rl-new-prompts to continue the model on this file from its first prompt")
+        self.log(f"--rl-new-prompts: --rl-prompts differs from the checkpoint's ({change}); its cursor, prompts in "
+                 "flight and untrained groups are dropped, this file starts at its first prompt")
+        return True
 
     def _start_fleet(self, fc: FleetConfig, backend_factory):
         """Rank 0: Ray (local or --ray-address), the rollout workers and the orchestrator."""
@@ -391,8 +411,9 @@ class RLTrainer:
             metrics.update(source)
             metrics["trainer idle fraction"] = timers["generate"] / max(time.perf_counter() - t_step, 1e-9)
         last = results[-1]
+        self.consumed_samples += len(samples)
         return {"losses": {**last["losses"], **metrics}, "grad_norm": last["grad_norm"],
-                "skipped": any(r["skipped"] for r in results)}
+                "skipped": any(r["skipped"] for r in results), "consumed_samples": self.consumed_samples}
 
     def _rollouts(self):
         """The step's groups on every rank and their source's metrics: from the asynchronous fleet, else the
@@ -471,6 +492,8 @@ class RLTrainer:
         scale = float(nmb * self.dp * self.cp)
         step_fn = partial(rl_forward.forward_step, cfg.loss, scale, routing_replay=cfg.routing_replay,
                           temperature=self.temperature)
+        if self.iteration + 1 in args.inject_nan_iterations:
+            step_fn = inject_nan(step_fn)
         results = [train_step(step_fn, iter(mbs), self.model, self.optimizer, args, nmb)
                    for _ in range(cfg.iterations)]
         if not all(r["skipped"] for r in results):
@@ -583,7 +606,8 @@ class RLTrainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def save(self):
-        extra = {"rl_state": {**self.ledger.state_dict(), "reference": self.reference_source}}
+        extra = {"rl_state": {**self.ledger.state_dict(), "reference": self.reference_source,
+                              "prompts": prompt_identity(self.tasks), "consumed_samples": self.consumed_samples}}
         if os.environ.get(FAULT_ENV) == f"saving:{self.iteration}":  # every shard written, not yet published
             checkpointing.publish = lambda *a, **k: _fault("saving", self.iteration)
         save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler, extra=extra)
@@ -594,7 +618,7 @@ class RLTrainer:
         logger = TrainingLogger(args, log)
         sigterm = self._sigterm = SigtermWatcher()
         saved_at = self.iteration if args.load else None
-        skipped_total = skipped_in_row = 0
+        skipped_total = skipped_in_row = steps = 0
         eval_log = os.path.join(cfg.log_dir, EVAL) if cfg.log_dir and self.rank == 0 else None
         try:
             if cfg.eval_tasks and cfg.eval_interval and self.iteration == 0:
@@ -610,6 +634,7 @@ class RLTrainer:
                     log(f"all {len(self.tasks)} prompts of --rl-prompts trained once: stopping at iteration "
                         f"{self.iteration}", flush=True)
                     break
+                steps += 1
                 skipped_in_row = skipped_in_row + 1 if result["skipped"] else 0
                 skipped_total += int(result["skipped"])
                 logger.step(self.iteration, result, time.perf_counter() - t0, self.optimizer.param_groups[0]["lr"],
@@ -631,6 +656,11 @@ class RLTrainer:
                     break
                 if args.exit_interval and self.iteration % args.exit_interval == 0:
                     break
+            if steps and skipped_total == steps:
+                raise TrainingAborted(
+                    f"all {steps} RL steps of this run were skipped for a NaN/Inf loss or gradient norm: nothing was "
+                    "trained (no final checkpoint written); look at the steps' rollouts and rewards in --rl-log-dir, "
+                    "or lower --lr")
             if args.save and saved_at != self.iteration:
                 self.save()
             return self.iteration

@@ -316,6 +316,7 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
     if ray.is_initialized():
         return
     import megatron_ext
+    from megatron_ext import lifetime
 
     pkg = os.path.dirname(os.path.abspath(megatron_ext.__file__))
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -326,6 +327,7 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
         else:
             env_vars["PYTHONPATH"] = os.pathsep.join([os.path.dirname(pkg)] + [p for p in os.environ.get(
                 "PYTHONPATH", "").split(os.pathsep) if p])
+            lifetime.supervise_descendants()  # the local instance's agents would outlive a killed trainer
             gpus = free_gpus() if torch.cuda.is_available() else []
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # Ray assigns workers only these devices

@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_ext import platform
+from megatron_ext.models.presets import field_flag
 from megatron_ext.models.te_layout import drop_absent_extra_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -65,6 +66,41 @@ def read_tracker(root: str) -> int | str | None:
         return int(text)
     except ValueError:
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text!r}") from None
+
+
+def saved_iterations(root: str) -> list[int]:
+    """Iterations of the complete training checkpoints (iter_N/, not iter_N.tmp) under `root`."""
+    if not os.path.isdir(root):
+        return []
+    names = (n[len("iter_"):] for n in os.listdir(root) if n.startswith("iter_"))
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(checkpoint_dir(root, int(n))))
+
+
+def check_save_target(args: argparse.Namespace):
+    """Refuse a run that would overwrite checkpoints it does not continue (a fresh start or another --load writing
+    into a --save that holds a run's iter_N directories): only resuming from that --save, or --override-save,
+    may write there. Called by the entry script before anything is built."""
+    root = args.save
+    if not root or getattr(args, "override_save", False) or getattr(args, "dry_run", False):
+        return
+    iterations = saved_iterations(root)
+    if not iterations:
+        return
+    tag = read_tracker(root)
+    same = bool(args.load) and os.path.abspath(args.load) == os.path.abspath(root)
+    if same and isinstance(tag, int) and not args.finetune:
+        return  # resuming this run: later iterations are rewritten by the run they belong to
+    held = f"checkpoints at iteration{'s' if len(iterations) > 1 else ''} {', '.join(map(str, iterations))}"
+    if same and tag == RELEASE:
+        why = (f"--save {root} holds training {held} besides the converted checkpoint its tracker points at "
+               f"({RELEASE}/): this run starts from iteration 0 and would overwrite them")
+    elif same:
+        why = f"--save {root} holds {held} and --finetune starts this run from iteration 0: it would overwrite them"
+    else:
+        start = "--load " + args.load if args.load else "no --load (a fresh start)"
+        why = f"--save {root} already holds {held}, and this run starts from {start}: it would overwrite them"
+    raise CheckpointError(f"{why}. Pass --load {root} to resume from the latest, choose another --save, or pass "
+                          "--override-save to start over there (checkpoints of the same iteration are replaced)")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -453,7 +489,8 @@ def _mtp_attach(args, common: dict, ckpt: str, log) -> bool:
     return False
 
 
-# Architecture fields that change the checkpoint's tensors (MTP layers are checked by _mtp_attach).
+# Architecture fields that change the checkpoint's tensors (MTP layers are checked by _mtp_attach): the only ones a
+# weights-only load (--finetune, a converted checkpoint, the start of a stage) requires to match.
 _WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
                   "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
                   "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "first_k_dense",
@@ -461,26 +498,31 @@ _WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "attention_residuals", "attn_res_block_size")
 
 
-def _check_architecture(args, common: dict, ckpt: str):
-    """Name the flag whose value makes this run's model differ from the checkpoint's, before any tensor is read."""
-    from megatron_ext.arguments import _ARCH_FLAGS
+def _check_architecture(args, common: dict, ckpt: str, weights_only: bool):
+    """Name the flag whose value makes this run's model differ from the checkpoint's, before any tensor is read.
 
+    A resume continues the same run, so every recorded architecture field must match (a changed router top-k or
+    YaRN factor loads without error and trains a different model); a weights-only load starts a new run from the
+    weights, which may change what does not change a tensor (extend raises --seq-length and sets YaRN)."""
     saved_args = common.get("args") or {}
     saved = saved_args.get("arch")
     if not saved or not hasattr(args, "arch"):
         return
-    flag_of = {field: flag for flag, (field, _, _) in _ARCH_FLAGS.items()}
-    flag_of.update(moe_router_enable_expert_bias="--moe-router-enable-expert-bias",
-                   untie_embeddings_and_output_weights="--untie-embeddings-and-output-weights")
-    diffs = [f"{flag_of[f]} {getattr(args.arch, f)} here, {saved.get(f)} in the checkpoint"
-             for f in _WEIGHT_FIELDS if f in saved and saved[f] != getattr(args.arch, f)]
+    here = dataclasses.asdict(args.arch)
+    fields = _WEIGHT_FIELDS if weights_only else [f for f in saved if f in here]
+    if not saved.get("mtp_num_layers"):  # none saved: _mtp_attach decides whether fresh ones may be added
+        fields = [f for f in fields if f != "mtp_num_layers"]
+    diffs = [f"{field_flag(f)} {here[f]} here, {saved[f]} in the checkpoint"
+             for f in fields if f in saved and saved[f] != here[f]]
     saved_vocab = saved_args.get("padded_vocab_size")
     if saved_vocab and getattr(args, "padded_vocab_size", saved_vocab) != saved_vocab:
         diffs.append(f"--vocab-size {args.vocab_size} (padded to {args.padded_vocab_size}) here, "
                      f"{saved.get('vocab_size')} (padded to {saved_vocab}) in the checkpoint")
     if diffs:
-        raise CheckpointError(f"{ckpt} was saved with a different architecture: " + "; ".join(diffs)
-                              + ". Pass --use-checkpoint-args to take the checkpoint's architecture, or fix the flags")
+        how = ("Pass --use-checkpoint-args to take the checkpoint's architecture, or fix the flags" if weights_only
+               else "Resuming continues the same run: pass --use-checkpoint-args to take the checkpoint's "
+                    "architecture or fix the flags, or pass --finetune to start a new run from its weights")
+        raise CheckpointError(f"{ckpt} was saved with a different architecture: " + "; ".join(diffs) + ". " + how)
 
 
 def _check_scheduler(args, scheduler, saved: dict, ckpt: str, log):
@@ -548,9 +590,9 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         raise CheckpointError(f"cannot read the common state of {ckpt}: {e}") from e
     if common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt} has format version {common.get('format_version')}, expected {FORMAT_VERSION}")
-    _check_architecture(args, common, ckpt)
-    _check_metadata(ckpt)
     release = bool(common.get("release"))
+    _check_architecture(args, common, ckpt, weights_only=args.finetune or release)
+    _check_metadata(ckpt)
     if release:
         log(f"{ckpt} is a converted checkpoint ({common.get('converted_from')}): loading weights only")
     attach = _mtp_attach(args, common, ckpt, log)

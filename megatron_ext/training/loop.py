@@ -70,7 +70,8 @@ class SigtermWatcher:
             signal.signal(sig, previous)
 
 
-def _inject_nan(forward_step_func: Callable) -> Callable:
+def inject_nan(forward_step_func: Callable) -> Callable:
+    """--inject-nan-iterations: the step's loss becomes NaN (tests of the skip logic, here and in RL)."""
     def forward_step(data_iterator, model):
         output, loss_func = forward_step_func(data_iterator, model)
         return output * float("nan"), loss_func
@@ -115,7 +116,7 @@ class TrainingLogger:
         if iteration % args.log_interval:
             return
         parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
-                 f"consumed samples: {iteration * args.global_batch_size:12d}",
+                 f"consumed samples: {result.get('consumed_samples', iteration * args.global_batch_size):12d}",
                  f"elapsed time per iteration (ms): {1000 * self.elapsed / self.iters:.1f}",
                  f"learning rate: {lr:.6E}",
                  f"global batch size: {args.global_batch_size:5d}"]
@@ -170,7 +171,7 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
         while iteration < args.train_iters:
             step_fn = forward_step_func
             if iteration + 1 in args.inject_nan_iterations:
-                step_fn = _inject_nan(forward_step_func)
+                step_fn = inject_nan(forward_step_func)
             t0 = time.perf_counter()
             result = train_step(step_fn, train_iterator(iteration), model, optimizer, args, num_microbatches)
             iteration += 1

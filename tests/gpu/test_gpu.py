@@ -121,7 +121,8 @@ def test_hf_import_export_and_engine_greedy_equals_transformers_generate(tmp_pat
 
 
 def test_server_answers_on_the_gpu():
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny",
+                             "--random-weights", "--port", "0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines, deadline = [], time.time() + 180

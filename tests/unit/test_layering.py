@@ -19,16 +19,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "megatron_ext"
 
-# Findings fixed on other branches of issue 30 (h-data: arguments <-> checkpointing <-> stages; h-rl: rl/trainer.py's
-# private imports from training/). The lead empties both sets when those branches merge; nothing else may be added.
-PENDING_CYCLES: set[frozenset[str]] = {
-    frozenset({"megatron_ext.arguments", "megatron_ext.training.checkpointing", "megatron_ext.training.stages"}),
-}
-PENDING_PRIVATE: set[tuple[str, str]] = {
-    ("megatron_ext.training.checkpointing", "megatron_ext.arguments._ARCH_FLAGS"),
-}
-
-
 def _imports(path: str) -> set[str]:
     """Every module name a file imports, at any depth (lazy imports inside functions included)."""
     with open(path) as f:
@@ -243,7 +233,7 @@ def test_stages_does_not_import_arguments():
 def test_no_import_cycle_in_the_package():
     """The package reads top-down (entry scripts -> rl/, eval/ -> env/, convert/ -> arguments -> inference/ ->
     training/ -> models/ -> data/ -> platform); a cycle means a change on either side silently needs the other."""
-    cycles = {c: paths for c, paths in _cycles(_graph()).items() if c not in PENDING_CYCLES}
+    cycles = _cycles(_graph())
     report = []
     for comp, paths in sorted(cycles.items(), key=lambda kv: sorted(kv[0])):
         report.append("cycle among " + ", ".join(sorted(comp)) + ":")
@@ -256,17 +246,10 @@ def test_no_import_cycle_in_the_package():
 
 def test_no_subpackage_imports_another_subpackages_private_names():
     """A leading underscore is the owner's licence to change it; a caller in another subpackage needs a public name."""
-    found = [u for u in _private_uses(_graph()) if (u.src, u.target) not in PENDING_PRIVATE]
+    found = list(_private_uses(_graph()))
     if found:
         pytest.fail("private names taken across subpackages:\n" + "\n".join(
             f"  {u.src} takes {u.target}\n      {u.where()}" for u in found), pytrace=False)
-
-
-def test_pending_findings_are_still_real():
-    """The allowlists only cover what other issue-30 branches fix; once fixed here, an entry must go."""
-    cycles, private = _cycles(_graph()), {(u.src, u.target) for u in _private_uses(_graph())}
-    assert not [c for c in PENDING_CYCLES if c not in cycles], "PENDING_CYCLES lists a cycle that is gone"
-    assert not PENDING_PRIVATE - private, f"PENDING_PRIVATE lists imports that are gone: {PENDING_PRIVATE - private}"
 
 
 def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path, monkeypatch):

@@ -305,7 +305,8 @@ def test_a_down_server_fails_only_its_prompts():
 @contextlib.contextmanager
 def _serve_subprocess(*flags):
     """tools/serve.py in a subprocess on a free loopback port: (process, url); killed afterwards."""
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", *flags, "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", *flags, "--random-weights",
+                             "--port", "0"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

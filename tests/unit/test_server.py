@@ -308,7 +308,8 @@ def test_failed_reloads_keep_the_previous_weights_serving(served, tmp_path):
 
 
 def test_serve_script_starts_and_answers(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "tools/serve.py", "--model", "tiny",
+                             "--random-weights", "--port", "0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""

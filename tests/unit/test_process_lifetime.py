@@ -1,0 +1,151 @@
+"""Issue 25 item 10: after kill -9 of a trainer, none of its helper processes stays alive (megatron_ext/lifetime.py).
+
+The script below makes the helpers a trainer has: Megatron-Core's checkpoint writer's spawned Manager server (the
+350 MB process left behind after kill -9 of rl_composer.py) with its resource tracker, and a forked worker that
+inherited the trainer's flag-only SIGTERM handler (a checkpoint writer caught mid-save)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRAINER = textwrap.dedent("""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    import megatron_ext  # noqa: F401
+
+
+    def writer():
+        time.sleep(600)
+
+
+    if __name__ == "__main__":
+        signal.signal(signal.SIGTERM, lambda *a: None)  # as training/loop.py's _Sigterm: remember, do not exit
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+        _get_write_results_queue()  # spawns the Manager server, as the first checkpoint save does
+        mp.get_context("fork").Process(target=writer, daemon=False).start()
+        print("ready", flush=True)
+        time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _tree(root: int) -> list[int]:
+    """Every process in the session of `root` other than it."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != root:
+            try:
+                if os.getsid(int(name)) == root and _alive(int(name)):
+                    out.append(int(name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return out
+
+
+def test_helpers_die_with_a_killed_trainer(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        helpers = _tree(proc.pid)
+        assert len(helpers) >= 3, helpers  # Manager server, resource tracker, forked writer
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.2)
+        assert not [p for p in helpers if _alive(p)]
+    finally:
+        for pid in _tree(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+SUPERVISED = textwrap.dedent("""
+    import importlib.util
+    import subprocess
+    import sys
+    import time
+
+    spec = importlib.util.spec_from_file_location("lifetime", sys.argv[1])  # without the package's heavy imports
+    lifetime = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lifetime)
+    lifetime.supervise_descendants(interval=0.2)
+    # an exec'd helper that starts its own child and ignores SIGTERM, as Ray's raylet agents
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                      f"{stubborn!r}]); {stubborn}"])
+    time.sleep(2)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_exec_started_descendants_are_reaped_when_the_trainer_dies(tmp_path):
+    script = tmp_path / "supervised.py"
+    script.write_text(SUPERVISED)
+    lifetime = os.path.join(ROOT, "megatron_ext", "lifetime.py")
+    proc = subprocess.Popen([sys.executable, str(script), lifetime], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        helpers = _tree(proc.pid)
+        assert len(helpers) == 3, helpers  # the watcher, the helper and its child
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.1)
+        assert not [p for p in helpers if _alive(p)]
+    finally:
+        for pid in _tree(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_asynchronous_rl_trainer_leaves_no_ray_process(tmp_path):
+    """rl_composer.py with a local Ray instance and a rollout worker, killed with SIGKILL after its second step:
+    its whole process tree (GCS, raylet and its agents, workers, checkpoint writer helpers) goes."""
+    from megatron_ext.rl.env import digit_tasks, write_prompts
+    from tests.unit.test_rl_composer import TINY
+
+    prompts = str(tmp_path / "prompts.jsonl")
+    write_prompts(prompts, digit_tasks("train", 40, seed=7))
+    cmd = [sys.executable, "-W", "ignore", "rl_composer.py", *TINY, "--rl-prompts", prompts, "--train-iters", "20",
+           "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--rl-rollout-workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if "iteration        2/" in line:
+                break
+        helpers = _tree(proc.pid)
+        assert len(helpers) >= 6, helpers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.5)
+        assert not [p for p in helpers if _alive(p)]
+    finally:
+        for pid in _tree(proc.pid):
+            os.kill(pid, signal.SIGKILL)
