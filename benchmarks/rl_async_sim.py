@@ -260,7 +260,8 @@ def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
     samples = P * a.steps * a.group_size
     wall = clock.now - first_end
     return {"samples_per_s": trained_samples / wall, "wall_s": clock.now, "step_s": wall / (a.steps - 1),
-            "trainer_idle": waited / wall, "worker_utilisation": fleet.busy_s / (clock.now * a.workers * a.worker_concurrency),
+            "trainer_idle": waited / wall,
+            "worker_utilisation": fleet.busy_s / (clock.now * a.workers * a.worker_concurrency),
             "staleness_max": int(len(hist) - 1), "staleness_hist": (hist / max(hist.sum(), 1)).round(4).tolist(),
             "prompts_trained_once": sorted(counts) == sorted(t["id"] for t in tasks) and
             set(counts.values()) == {1} and ledger.exhausted,
@@ -340,7 +341,8 @@ def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
     """N x K at the default (long-tailed) settings, for Ray workers (one request at a time) and for batching
     servers (--requests-per-worker 4 --worker-concurrency 4); one synchronous run per N and design."""
     rows = []
-    designs = (("Ray workers", []), ("batching servers x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"]))
+    designs = (("Ray workers", []),
+               ("batching servers x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"]))
     for design, flags in designs:
         for n in SWEEP_WORKERS:
             sync = None
@@ -437,6 +439,11 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("trainer")
     g.add_argument("--train-token-s", type=float, default=1.5e-6, help="trainer seconds per response token")
     g.add_argument("--train-fixed-s", type=float, default=5.0, help="trainer seconds per step besides tokens")
+    g.add_argument("--planner-model", default="",
+                   help="instead of --train-token-s: megatron_ext/planning.py's fastest layout for this preset "
+                        "(e.g. kimi-k2.5) on --trainer-gpus, its tokens per second x 3/4 (the reference pass)")
+    g.add_argument("--trainer-gpus", type=int, default=512)
+    g.add_argument("--trainer-gpu", default="h200", help="a GPU of megatron_ext/planning.py's GPUS")
     g.add_argument("--weights-gb", type=float, default=1040.0, help="bytes published per step (GB)")
     g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -462,6 +469,26 @@ def check(a: argparse.Namespace):
     if not 0 <= a.failure_rate < 1:
         raise SystemExit("--failure-rate must be in [0, 1)")
     a.prompts_per_step = a.prompts_per_step or a.workers
+    if a.planner_model:
+        a.train_token_s = planner_token_s(a)
+
+
+def planner_token_s(a: argparse.Namespace) -> float:
+    """Trainer seconds per token from the planner's fastest layout that fits (sequences of --max-length, a batch of
+    P x G); a step is a training pass plus a reference forward pass (about a third of one), hence 4/3."""
+    from megatron_ext import planning
+    from megatron_ext.models.presets import get_preset
+
+    try:
+        model, gpu = get_preset(a.planner_model), planning.GPUS[a.trainer_gpu]
+    except (ValueError, KeyError):
+        raise SystemExit(f"--planner-model {a.planner_model!r} / --trainer-gpu {a.trainer_gpu!r}: choose a preset of "
+                         f"megatron_ext/models/presets.py and one of {sorted(planning.GPUS)}") from None
+    work = planning.Workload(a.max_length, a.prompts_per_step * a.group_size)
+    fits = planning.plan(model, gpu, a.trainer_gpus, work)
+    if not fits:
+        raise SystemExit(f"--planner-model {a.planner_model}: no layout fits on {a.trainer_gpus} {a.trainer_gpu} GPUs")
+    return 4 / 3 / fits[0].tokens_per_s
 
 
 def main(argv=None):

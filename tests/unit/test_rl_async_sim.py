@@ -128,3 +128,16 @@ def test_bad_flags_are_named(bad, capsys):
     with pytest.raises(SystemExit) as e:
         sim.main(bad + ["--json"])
     assert bad[0] in str(e.value)
+
+
+def test_trainer_time_from_the_planner():
+    """--planner-model: the trainer's seconds per token are the planner's fastest layout's, plus the reference
+    pass, and more trainer GPUs make them smaller."""
+    from megatron_ext import planning
+    from megatron_ext.models.presets import get_preset
+
+    a = _args("--planner-model", "kimi-k2.5", "--trainer-gpus", "512", "--max-length", "32768", "--workers", "1024")
+    best = planning.plan(get_preset("kimi-k2.5"), planning.GPUS["h200"], 512, planning.Workload(32768, 1024 * 4))[0]
+    assert a.train_token_s == pytest.approx(4 / 3 / best.tokens_per_s)
+    more = _args("--planner-model", "kimi-k2.5", "--trainer-gpus", "1024", "--max-length", "32768", "--workers", "1024")
+    assert more.train_token_s < a.train_token_s
