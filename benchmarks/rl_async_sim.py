@@ -339,9 +339,11 @@ SWEEP_K = (0, 1, 2, 3, 4)
 
 def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
     """N x K at the default (long-tailed) settings, for Ray workers (one request at a time) and for batching
-    servers (--requests-per-worker 4 --worker-concurrency 4); one synchronous run per N and design."""
+    servers (--requests-per-worker 4 --worker-concurrency 4), and for Ray workers given one request at a time
+    (--requests-per-worker 1: none waits in a worker's queue behind a long one); one synchronous run per N and
+    design."""
     rows = []
-    designs = (("Ray workers", []),
+    designs = (("Ray workers", []), ("Ray workers, late binding", ["--requests-per-worker", "1"]),
                ("batching servers x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"]))
     for design, flags in designs:
         for n in SWEEP_WORKERS:
@@ -376,7 +378,8 @@ def plot(rows: list[dict], path: str):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for d, (design, style) in enumerate((("Ray workers", "-o"), ("batching servers x4", "--s"))):
+    designs = (("Ray workers", "-o"), ("Ray workers, late binding", ":^"), ("batching servers x4", "--s"))
+    for d, (design, style) in enumerate(designs):
         for i, n in enumerate(SWEEP_WORKERS):
             rs = [r for r in rows if r["design"] == design and r["workers"] == n]
             if not rs:
@@ -389,12 +392,12 @@ def plot(rows: list[dict], path: str):
             if n == 1024:
                 for r in rs:
                     h = r["staleness_hist"]
-                    axes[2].bar(np.arange(len(h)) + 0.15 * r["staleness"] - 0.3 + 0.08 * d, h, width=0.07,
-                                color=f"C{r['staleness']}", alpha=1.0 if d == 0 else 0.5,
+                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.05 * d, h, width=0.05,
+                                color=f"C{r['staleness']}", alpha=(1.0, 0.7, 0.4)[d],
                                 label=f"K={r['staleness']}" if d == 0 else None)
         rs = [r for r in rows if r["design"] == design and r["staleness"] == 2]
         axes[3].plot([r["workers"] for r in rs], [r["orchestrator_cpu_ms_per_sample"] for r in rs], style,
-                     color="k", label=f"{design}, K=2")
+                     color=f"C{d + 5}", label=f"{design}, K=2")
     axes[0].axhline(2.5, color="grey", lw=0.8, ls=":")
     axes[0].set(xlabel="K (--rl-max-staleness)", ylabel="async / sync samples per second", title="speed-up")
     axes[0].legend(fontsize=6)
