@@ -450,7 +450,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--weights-gb", type=float, default=1040.0, help="bytes published per step (GB)")
     g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4, both designs: a markdown table")
+    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for three designs: a markdown table")
     p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
     p.add_argument("--validate", action="store_true", help="the runs measured on this machine, simulated")
     return p
