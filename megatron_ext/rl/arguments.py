@@ -103,6 +103,12 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "start a local Ray instance inside the run")
     a.add_argument("--rl-prompts-per-request", type=int, default=0,
                    help="prompts a worker generates in one engine batch (0: prompts per step / (2 x workers))")
+    a.add_argument("--rl-requests-per-worker", type=int, default=2,
+                   help="requests dispatched and not finished per worker. A Ray worker runs them one after "
+                        "another: 2 keeps the next one queued (no gap while the trainer trains), 1 binds each prompt "
+                        "to the first free worker (none waits behind a long rollout: better under long-tailed "
+                        "lengths). With --rl-remote-servers a slot's requests run together in its server's batch, "
+                        "so more means more concurrency (benchmarks/rl_async_sim.py, docs/benchmarks.md)")
     a.add_argument("--rl-rollout-timeout", type=float, default=600.0,
                    help="seconds a worker may work on one request before it is killed, replaced and its prompts "
                         "requeued")
@@ -165,6 +171,8 @@ def validate_rl_args(args: argparse.Namespace):
                  f"{args.rl_speculative_depth}")
     if args.rl_rollout_workers < 0 or args.rl_max_staleness < 0 or args.rl_prompts_per_request < 0:
         fail("--rl-rollout-workers, --rl-max-staleness and --rl-prompts-per-request must be >= 0")
+    if args.rl_requests_per_worker < 1:
+        fail(f"--rl-requests-per-worker must be >= 1, got {args.rl_requests_per_worker}")
     if args.rl_rollout_workers:
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup trains on reference answers, nothing to generate: drop --rl-rollout-workers")
@@ -218,6 +226,7 @@ def fleet_config(args: argparse.Namespace):
         return None
     return FleetConfig(workers=args.rl_rollout_workers, max_staleness=args.rl_max_staleness,
                        ray_address=args.ray_address, prompts_per_request=args.rl_prompts_per_request,
+                       requests_per_worker=args.rl_requests_per_worker,
                        request_timeout_s=args.rl_rollout_timeout, env_timeout_s=args.rl_env_timeout,
                        delta=not args.rl_publish_full)
 

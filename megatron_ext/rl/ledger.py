@@ -66,7 +66,8 @@ class Ledger:
 
     def admit(self, n: int) -> list[str]:
         """Up to n prompt ids to generate now: ones in flight at the last checkpoint first, then new ones."""
-        out = [p for p in self.in_flight if p not in self._generating][:n]
+        resumed = len(self._generating) < len(self.in_flight)  # in flight at the checkpoint, not yet restarted
+        out = [p for p in self.in_flight if p not in self._generating][:n] if resumed else []
         while len(out) < n and self.cursor < len(self.prompt_ids):
             pid = self.prompt_ids[self.cursor]
             self.cursor += 1

@@ -37,6 +37,7 @@ sampled entirely by it: the synchronous baseline, on this same code path. Finish
 from __future__ import annotations
 
 import collections
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -134,8 +135,10 @@ class _Stats:
 
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, fleet: Fleet, ledger: Ledger, tasks_by_id: dict[str, dict],
-                 version: int, weights: Callable[[], dict], log=print):
+                 version: int, weights: Callable[[], dict], log=print, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: seconds for every duration, timeout and metric (a virtual clock in benchmarks/rl_async_sim.py)."""
         self.cfg, self.fleet, self.ledger, self.tasks, self.log = cfg, fleet, ledger, tasks_by_id, log
+        self.clock = clock
         self.weights = weights
         self.base = version                     # the step of slot 0
         self.published = version
@@ -145,13 +148,18 @@ class Orchestrator:
         self.inflight: dict[Any, _InFlight] = {}
         self.finished: dict[int, tuple[Group, int, float]] = {}  # slot -> (group, start version, finished at)
         self.restarts = 0
-        self.stats = _Stats()
+        self.stats = _Stats(since=clock())
         self._blocked_since: Optional[float] = None
         self._request_ids = 0
         self._busy_since = [0.0] * fleet.size
+        # bookkeeping that keeps every pump O(log workers) at thousands of workers (benchmarks/rl_async_sim.py)
+        self._load = [0] * fleet.size                      # requests in flight per worker
+        self._free = [(0, w) for w in range(fleet.size)]   # heap (load, worker) of workers with a free slot; stale
+        self._oldest: list[tuple[float, int]] = []         # heap (busy since, worker) for timeouts; stale entries
+        self._exhausted = False
         for g in list(ledger.pending):          # finished before a checkpoint: trained first
             slot = self._new_slot(g.prompt_id)
-            self.finished[slot] = (g, version, time.perf_counter())
+            self.finished[slot] = (g, version, self.clock())
 
     # ---- admission -------------------------------------------------------------------------------------------
     def _new_slot(self, prompt_id: str) -> int:
@@ -177,19 +185,24 @@ class Orchestrator:
         return out
 
     def _admit_and_dispatch(self):
-        per_worker = collections.Counter(f.worker for f in self.inflight.values())
+        """Requests to the least-loaded workers first (every worker gets one before any gets a second: with fewer
+        requests than request slots, filling worker 0's queue first leaves workers idle and runs requests one
+        after another on the others)."""
         wanted = False
-        for w in range(self.fleet.size):
-            while per_worker[w] < self.cfg.requests_per_worker:
-                room = self.cfg.prompts_per_request
-                slots = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
-                slots += self._admit(room - len(slots))
-                if not slots:
-                    wanted = wanted or not self.ledger_exhausted()
-                    break
-                self._submit(w, slots)
-                per_worker[w] += 1
-        now = time.perf_counter()
+        while self._free:
+            load, w = self._free[0]
+            if load != self._load[w] or load >= self.cfg.requests_per_worker:
+                heapq.heappop(self._free)
+                continue
+            room = self.cfg.prompts_per_request
+            slots = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
+            slots += self._admit(room - len(slots))
+            if not slots:
+                wanted = not self.ledger_exhausted()
+                break
+            heapq.heappop(self._free)
+            self._submit(w, slots)
+        now = self.clock()
         blocked = wanted and not self.gate_open()
         if blocked and self._blocked_since is None:
             self._blocked_since = now
@@ -198,18 +211,33 @@ class Orchestrator:
             self._blocked_since = None
 
     def ledger_exhausted(self) -> bool:
-        return self.ledger.cursor >= len(self.ledger.prompt_ids) and \
-            all(p in self.slot_of for p in self.ledger.in_flight)
+        """No prompt left to admit (once true it stays true: only admission adds prompts in flight)."""
+        self._exhausted = self._exhausted or (self.ledger.cursor >= len(self.ledger.prompt_ids) and
+                                              all(p in self.slot_of for p in self.ledger.in_flight))
+        return self._exhausted
+
+    def _set_load(self, worker: int, load: int):
+        self._load[worker] = load
+        if load < self.cfg.requests_per_worker:
+            heapq.heappush(self._free, (load, worker))
+        if len(self._free) > 4 * self.fleet.size + 64:  # drop stale entries
+            self._free = [(n, w) for w, n in enumerate(self._load) if n < self.cfg.requests_per_worker]
+            heapq.heapify(self._free)
+
+    def _mark_busy(self, worker: int, now: float):
+        self._busy_since[worker] = now
+        heapq.heappush(self._oldest, (now, worker))
 
     def _submit(self, worker: int, slots: list[int]):
         self._request_ids += 1
         rid = self._request_ids
         request = RolloutRequest(rid, [self.tasks[self.slots[s]] for s in slots],
                                  seed=self.cfg.seed * 1_000_003 + rid * 7919, min_version=self.published)
-        if not any(f.worker == worker for f in self.inflight.values()):
-            self._busy_since[worker] = time.perf_counter()
+        if not self._load[worker]:
+            self._mark_busy(worker, self.clock())
         handle = self.fleet.submit(worker, request)
-        self.inflight[handle] = _InFlight(worker, request, slots, time.perf_counter())
+        self.inflight[handle] = _InFlight(worker, request, slots, self.clock())
+        self._set_load(worker, self._load[worker] + 1)
 
     # ---- completion and failures -------------------------------------------------------------------------
     def _pump(self, timeout: float):
@@ -220,13 +248,14 @@ class Orchestrator:
             f = self.inflight.pop(handle, None)
             if f is None:  # its worker was replaced while handling an earlier handle: requeued already
                 continue
+            self._set_load(f.worker, self._load[f.worker] - 1)
             try:
                 result = self.fleet.result(handle)
             except WorkerLost as e:
                 self._lost(f, e)
                 continue
-            now = time.perf_counter()
-            self._busy_since[f.worker] = now
+            now = self.clock()
+            self._mark_busy(f.worker, now)
             self.stats.busy_s += result.busy_s
             self.stats.swaps += result.swaps
             self.stats.speculation.update(result.speculation)
@@ -241,12 +270,19 @@ class Orchestrator:
         self._admit_and_dispatch()
 
     def _check_timeouts(self):
-        now = time.perf_counter()
-        for w in range(self.fleet.size):
-            mine = [f for f in self.inflight.values() if f.worker == w]
-            if mine and now - self._busy_since[w] > self.cfg.request_timeout_s:
-                self._replace(w, f"worker {w} made no progress for {self.cfg.request_timeout_s:.0f} s "
-                                 "(--rl-rollout-timeout): killed")
+        """Only the longest-silent busy workers are looked at (a heap of busy-since times; stale entries are
+        those of workers that finished something or went idle since)."""
+        now = self.clock()
+        while self._oldest:
+            since, w = self._oldest[0]
+            if since != self._busy_since[w] or not self._load[w]:
+                heapq.heappop(self._oldest)
+                continue
+            if now - since <= self.cfg.request_timeout_s:
+                break
+            heapq.heappop(self._oldest)
+            self._replace(w, f"worker {w} made no progress for {self.cfg.request_timeout_s:.0f} s "
+                             "(--rl-rollout-timeout): killed")
 
     def _lost(self, f: _InFlight, error: WorkerLost):
         if error.fatal:
@@ -258,6 +294,7 @@ class Orchestrator:
         queue's front, in slot order, then replace the worker."""
         mine = [h for h, f in self.inflight.items() if f.worker == worker]
         slots = sorted(list(failed) + [s for h in mine for s in self.inflight.pop(h).slots])
+        self._set_load(worker, 0)
         self.queue.extendleft(reversed(slots))
         self.restarts += 1
         self.stats.requeued += len(slots)
@@ -268,7 +305,7 @@ class Orchestrator:
                                "/tmp/ray/session_latest/logs) for why they die")
         self.log(f"{reason}: {len(slots)} prompt(s) requeued, worker restarted", flush=True)
         self.fleet.restart(worker, self.published, self.weights)
-        self._busy_since[worker] = time.perf_counter()
+        self._mark_busy(worker, self.clock())
 
     # ---- the trainer's side ------------------------------------------------------------------------------
     def next_batch(self, step: int, stop: Callable[[], bool] = lambda: False
@@ -281,17 +318,20 @@ class Orchestrator:
                                "publish the weights of every step first")
         P = self.cfg.prompts_per_step
         lo = (step - self.base) * P
-        t0 = time.perf_counter()
+        t0 = self.clock()
+        ready = lo  # slots lo..ready-1 are finished (they stay so until taken below)
         while True:
             hi = min(lo + P, len(self.slots))
             if hi <= lo and self.ledger_exhausted():  # no prompt left for this step
                 return None
-            if (hi - lo == P or self.ledger_exhausted()) and all(s in self.finished for s in range(lo, hi)):
+            while ready < hi and ready in self.finished:
+                ready += 1
+            if (hi - lo == P or self.ledger_exhausted()) and ready >= hi:
                 break
             if stop():
                 raise Stopped(f"stopped while waiting for the rollouts of step {step + 1}")
             self._pump(self.cfg.poll_s)
-        waited = time.perf_counter() - t0
+        waited = self.clock() - t0
         taken = [self.finished.pop(s) for s in range(lo, hi)]
         groups = [g for g, _, _ in taken]
         self.ledger.take_groups([g.prompt_id for g in groups])
@@ -307,7 +347,7 @@ class Orchestrator:
         return stats
 
     def _metrics(self, step: int, taken: list, waited: float) -> dict[str, float]:
-        now = time.perf_counter()
+        now = self.clock()
         stale, spans = [], []
         for g, start, _ in taken:
             for r in g.rollouts:

@@ -304,6 +304,7 @@ class RLTrainer:
                                   delta=fc.delta, num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log,
                                   path_of=self._remote_path if self._fleet_by_path() else None)
         ocfg = OrchestratorConfig(cfg.prompts_per_step, fc.max_staleness, fc.per_request(cfg.prompts_per_step),
+                                  requests_per_worker=fc.requests_per_worker,
                                   request_timeout_s=fc.request_timeout_s, seed=self.args.seed)
         self.orchestrator = Orchestrator(ocfg, self.fleet, self.ledger, self.by_id, self.iteration, weights,
                                          log=self.log)

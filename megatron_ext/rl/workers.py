@@ -47,6 +47,7 @@ class FleetConfig:
     max_staleness: int = 0
     ray_address: Optional[str] = None
     prompts_per_request: int = 0       # 0: prompts per step / (2 x workers), at least 1
+    requests_per_worker: int = 2       # in flight per worker (--rl-requests-per-worker)
     request_timeout_s: float = 600.0
     env_timeout_s: float = 300.0
     delta: bool = True                 # publish only changed tensors when that is fewer bytes

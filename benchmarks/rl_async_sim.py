@@ -1,0 +1,524 @@
+"""Asynchronous RL at cluster scale, simulated: the real orchestrator (megatron_ext/rl/orchestrator.py: admission
+gate, ledger, requeue on failure, staleness accounting) on a virtual clock, with simulated rollout workers and a
+simulated trainer, so that thousands of workers and long-tailed agentic rollouts cost seconds of CPU.
+
+    python benchmarks/rl_async_sim.py --workers 1024 --staleness 2 --json
+    python benchmarks/rl_async_sim.py --sweep --plot docs/rl_async_sim.png     # the table of docs/benchmarks.md
+    python benchmarks/rl_async_sim.py --validate                               # against this machine's runs
+
+Every run is done twice with the same seed, at --staleness K and at 0 (the synchronous baseline on the same code
+path); "speedup" is the ratio of their samples trained per second, counted after the first step (as
+benchmarks/rl_async.py does).
+
+The model, and what it leaves out:
+- A worker is one inference engine replica running its requests one after another (the Ray `RolloutWorker` of
+  rl/workers.py), or --worker-concurrency C at once in one continuous batch (an SGLang-style server behind
+  rl/remote_fleet.py's request slots). A decode step takes --decode-latency x (1 + batch / --batch-knee) seconds,
+  the batch being every sequence the worker holds (C x prompts per request x G): larger batches give more tokens
+  per second but slower tokens. Prefill is not modelled.
+- An episode is --turns model turns with a tool call after each but the last (latency lognormal, median
+  --tool-latency, sigma --tool-sigma); its response length is lognormal (median --length-median, sigma
+  --length-sigma) cut at --max-length, split evenly over the turns. A request ends with its longest episode.
+- Weights published by the trainer reach every worker when the publication ends; each token is tagged with the
+  newest version its worker had when it was drawn (in-flight updates between decode steps), so staleness is
+  measured by the orchestrator's own accounting, not assumed. Tokens are carried in chunks of --token-quantum
+  (their count, not their ids, is what the orchestrator's accounting touches); a rollout is the prompt's
+  environment segment and one model segment per turn (tool outputs, never trained, are left out).
+- A request fails with probability --failure-rate at a uniform point of its run: the worker raises `WorkerLost`,
+  the orchestrator requeues its prompts and restarts it (--restart-s of virtual time).
+- The trainer's step takes --train-fixed-s + tokens trained x --train-token-s; publication takes
+  --weights-gb / --bandwidth-gbs.
+
+Orchestrator CPU is real: process time of the trainer-side calls (next_batch, publish, including the ledger and
+the staleness metrics), minus the simulated fleet's own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_ext.rl.ledger import Ledger, trained_counts  # noqa: E402
+from megatron_ext.rl.orchestrator import Orchestrator, OrchestratorConfig, RolloutResult, WorkerLost  # noqa: E402
+from megatron_ext.rl.types import Group, Reward, Rollout, Segment  # noqa: E402
+
+
+class Clock:
+    """Virtual seconds; the fleet moves it forward to the next event, the trainer by its step and publication."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Job:
+    worker: int
+    generation: int
+    request: object
+    start: float
+    end: float
+    failed: bool
+    lengths: np.ndarray     # [sequences] response tokens
+    tools: np.ndarray       # [sequences, turns - 1] tool seconds
+    token_s: float
+
+
+class SimFleet:
+    """The `Fleet` protocol of rl/orchestrator.py on a virtual clock: a request's run is drawn when it is submitted
+    and becomes an event at its end (or at its failure)."""
+
+    def __init__(self, a: argparse.Namespace, clock: Clock, version: int):
+        self.a, self.clock, self.size = a, clock, a.workers
+        self.rng = np.random.default_rng(a.seed)
+        self.free_at = [[0.0] * a.worker_concurrency for _ in range(a.workers)]  # per concurrent lane
+        self.generation = [0] * a.workers
+        self.heap: list = []
+        self.jobs: dict[int, _Job] = {}
+        self.pub_t, self.pub_v = [-math.inf], [version]
+        self.tokens: dict[str, int] = {}   # prompt id -> response tokens of its finished group
+        self.busy_s = 0.0
+        self.cpu_s = 0.0
+        self._ids = 0
+
+    def _timed(fn):  # noqa: N805 (the fleet's own CPU is not the orchestrator's)
+        def wrapper(self, *args):
+            t0 = time.process_time()
+            try:
+                return fn(self, *args)
+            finally:
+                self.cpu_s += time.process_time() - t0
+        return wrapper
+
+    def _draw(self, n: int):
+        a = self.a
+        lengths = np.minimum(np.maximum(
+            self.rng.lognormal(math.log(a.length_median), a.length_sigma, n), 1), a.max_length).astype(np.int64)
+        tools = self.rng.lognormal(math.log(max(a.tool_latency, 1e-9)), a.tool_sigma, (n, a.turns - 1)) \
+            if a.tool_latency > 0 and a.turns > 1 else np.zeros((n, max(a.turns - 1, 0)))
+        return lengths, tools
+
+    @_timed
+    def submit(self, worker: int, request) -> int:
+        a, now = self.a, self.clock.now
+        n = len(request.tasks) * a.group_size
+        lengths, tools = self._draw(n)
+        lanes = self.free_at[worker]
+        lane = int(np.argmin(lanes))
+        start = max(now, lanes[lane])
+        batch = n * (1 + sum(t > start for i, t in enumerate(lanes) if i != lane))  # the requests running beside
+        token_s = a.decode_latency * (1 + batch / a.batch_knee)
+        run = float((lengths * token_s + tools.sum(axis=1)).max())
+        failed = bool(self.rng.random() < a.failure_rate)
+        end = start + (run * self.rng.random() if failed else run)
+        lanes[lane] = end
+        self._ids += 1
+        self.jobs[self._ids] = _Job(worker, self.generation[worker], request, start, end, failed, lengths, tools,
+                                    token_s)
+        heapq.heappush(self.heap, (end, self._ids))
+        return self._ids
+
+    def _live(self, handle: int) -> bool:
+        job = self.jobs.get(handle)
+        return job is not None and job.generation == self.generation[job.worker]
+
+    @_timed
+    def wait(self, handles: list, timeout: float) -> list:
+        """Every request finished by now; if none, the clock moves to the next end (at most `timeout` ahead)."""
+        while self.heap and not self._live(self.heap[0][1]):
+            heapq.heappop(self.heap)
+        if not self.heap:
+            self.clock.now += timeout
+            return []
+        if self.heap[0][0] > self.clock.now:
+            self.clock.now = min(self.heap[0][0], self.clock.now + timeout)
+        ready = []
+        while self.heap and self.heap[0][0] <= self.clock.now:
+            _, h = heapq.heappop(self.heap)
+            if self._live(h):
+                ready.append(h)
+        return ready
+
+    def version_at(self, t: np.ndarray) -> np.ndarray:
+        return np.asarray(self.pub_v)[np.searchsorted(self.pub_t, t, side="right") - 1]
+
+    @_timed
+    def result(self, handle: int) -> RolloutResult:
+        job = self.jobs.pop(handle)
+        a = self.a
+        self.busy_s += job.end - job.start
+        if job.failed:
+            raise WorkerLost("simulated worker failure")
+        turns, q, n = a.turns, a.token_quantum, len(job.lengths)
+        per_turn = np.repeat((job.lengths // turns)[:, None], turns, axis=1)
+        per_turn += np.arange(turns)[None, :] < (job.lengths % turns)[:, None]
+        decode = per_turn * job.token_s
+        begin = job.start + np.concatenate([np.zeros((n, 1)), np.cumsum(decode[:, :-1] + job.tools, axis=1)], 1)
+        chunks = np.maximum(1, -(-per_turn // q)).reshape(-1)           # version tags per (sequence, turn)
+        first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+        within = np.arange(chunks.sum()) - first
+        times = np.repeat(begin.reshape(-1), chunks) + (within + 0.5) * np.repeat((decode.reshape(-1) / chunks),
+                                                                                  chunks)
+        versions = self.version_at(times).tolist()
+        counts, groups, pos, k = chunks.tolist(), [], 0, 0
+        for i, task in enumerate(job.request.tasks):
+            rollouts = []
+            for j in range(a.group_size):
+                segments = [Segment([0], False)]
+                for turn in range(turns):
+                    c = counts[k * turns + turn]
+                    segments.append(Segment([1] * c, True, [0.0] * c, [0.0] * c, versions[pos:pos + c]))
+                    pos += c
+                rollouts.append(Rollout(task["id"], j, segments, "stop", Reward({"r": 0.0}, 0.0)))
+                k += 1
+            self.tokens[task["id"]] = int(job.lengths[i * a.group_size:(i + 1) * a.group_size].sum())
+            groups.append(Group(task["id"], rollouts))
+        pub_t = np.asarray(self.pub_t)
+        swaps = int(np.sum((pub_t > job.start) & (pub_t <= job.end)))
+        return RolloutResult(job.request.request_id, groups, int(self.version_at(np.asarray([job.start]))[0]),
+                             job.end - job.start, swaps=swaps)
+
+    @_timed
+    def publish(self, version: int, weights) -> dict:
+        seconds = self.a.weights_gb / self.a.bandwidth_gbs
+        self.clock.now += seconds
+        self.pub_t.append(self.clock.now)
+        self.pub_v.append(version)
+        return {"seconds": seconds, "bytes": int(self.a.weights_gb * 1e9)}
+
+    @_timed
+    def restart(self, worker: int, version: int, weights):
+        self.generation[worker] += 1
+        self.free_at[worker] = [self.clock.now + self.a.restart_s] * self.a.worker_concurrency
+
+
+def simulate(a: argparse.Namespace, staleness: int) -> dict:
+    """One run at --staleness `staleness`: the trainer's loop of rl/trainer.py (next_batch, train, publish) with
+    the real orchestrator and ledger. Python's cyclic collector is off meanwhile: the simulated groups are
+    millions of small objects, and scanning them took 70% of the simulation's CPU (none form cycles)."""
+    gc.disable()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the ledger fsyncs its log every step
+    try:
+        with tempfile.TemporaryDirectory(prefix="rl_async_sim_", dir=shm) as log_dir:
+            return _simulate(a, staleness, log_dir)
+    finally:
+        gc.enable()
+
+
+def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
+    clock = Clock()
+    fleet = SimFleet(a, clock, version=0)
+    P = a.prompts_per_step
+    tasks = [{"id": f"p{i}"} for i in range(P * a.steps)]
+    ledger = Ledger([t["id"] for t in tasks], log_dir=log_dir)
+    cfg = OrchestratorConfig(P, staleness, prompts_per_request=a.prompts_per_request,
+                             requests_per_worker=a.requests_per_worker, request_timeout_s=a.request_timeout,
+                             max_worker_restarts=10 ** 9, seed=a.seed, poll_s=1e9)
+    orch = Orchestrator(cfg, fleet, ledger, {t["id"]: t for t in tasks}, version=0, weights=dict,
+                        log=lambda *x, **k: None, clock=clock)
+    cpu, waited, hist, trained_samples, first_end = 0.0, 0.0, np.zeros(0, np.int64), 0, None
+    restarts = 0
+    for step in range(a.steps + 1):
+        c0, f0, t0 = time.process_time(), fleet.cpu_s, clock.now
+        out = orch.next_batch(step)
+        cpu += time.process_time() - c0 - (fleet.cpu_s - f0)
+        if out is None:
+            break
+        groups, m = out
+        if step:
+            waited += clock.now - t0
+        if m["staleness max"] > staleness:
+            raise AssertionError(f"staleness {m['staleness max']} > {staleness} at step {step}")
+        hist = _add(hist, np.bincount(orch.last_staleness.astype(np.int64)))
+        restarts += int(m["worker restarts"])
+        ledger.log_trained(step, groups)
+        tokens = sum(fleet.tokens[g.prompt_id] for g in groups)
+        clock.now += a.train_fixed_s + tokens * a.train_token_s
+        if step:
+            trained_samples += sum(len(g.rollouts) for g in groups)
+        c0, f0 = time.process_time(), fleet.cpu_s
+        orch.publish(step + 1)
+        cpu += time.process_time() - c0 - (fleet.cpu_s - f0)
+        if step == 0:
+            first_end = clock.now
+    counts = trained_counts(log_dir)
+    samples = P * a.steps * a.group_size
+    wall = clock.now - first_end
+    return {"samples_per_s": trained_samples / wall, "wall_s": clock.now, "step_s": wall / (a.steps - 1),
+            "trainer_idle": waited / wall,
+            "worker_utilisation": fleet.busy_s / (clock.now * a.workers * a.worker_concurrency),
+            "staleness_max": int(len(hist) - 1), "staleness_hist": (hist / max(hist.sum(), 1)).round(4).tolist(),
+            "prompts_trained_once": sorted(counts) == sorted(t["id"] for t in tasks) and
+            set(counts.values()) == {1} and ledger.exhausted,
+            "orchestrator_cpu_ms_per_sample": 1e3 * cpu / samples, "orchestrator_cpu_s": cpu,
+            "worker_restarts": restarts}
+
+
+def _add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    n = max(len(x), len(y))
+    return np.pad(x, (0, n - len(x))) + np.pad(y, (0, n - len(y)))
+
+
+def run(a: argparse.Namespace, sync: dict | None = None) -> dict:
+    out = simulate(a, a.staleness)
+    sync = out if a.staleness == 0 else sync or simulate(a, 0)
+    out["speedup"] = out["samples_per_s"] / sync["samples_per_s"]
+    out["sync_samples_per_s"] = sync["samples_per_s"]
+    out["sync_trainer_idle"] = sync["trainer_idle"]
+    out["sync_worker_utilisation"] = sync["worker_utilisation"]
+    out.update(workers=a.workers, staleness=a.staleness, prompts_per_step=a.prompts_per_step,
+               group_size=a.group_size, steps=a.steps, seed=a.seed)
+    return out
+
+
+# docs/benchmarks.md, "Asynchronous RL: sync vs async throughput" (idle re-run, 2026-12-01): per run, the
+# synchronous step's wait for rollouts (the generation time), the trainer's reference + training seconds of the
+# synchronous and of the asynchronous run, publication seconds, and the measured async / sync samples per second
+MEASURED = [
+    # name, flags of benchmarks/rl_async.py, workers, P, G, response tokens, sync wait, sync ref+train,
+    # async ref+train, publish, measured ratio
+    ("after warm-up #1", "", 2, 8, 8, 2, 0.057, 0.165 + 0.351, 0.197 + 0.396, 0.013, 104.495 / 108.955),
+    ("after warm-up #2", "", 2, 8, 8, 2, 0.051, 0.140 + 0.303, 0.141 + 0.299, 0.011, 140.895 / 126.509),
+    ("untrained 24 tokens", "--sizes", 2, 8, 8, 22, 0.205, 0.277 + 0.555, 0.326 + 0.649, 0.011, 64.500 / 61.022),
+    ("balanced run 1", "--workers 1 --scratch-length 48 --prompts-per-step 4 --group-size 4", 1, 4, 4, 48, 0.348,
+     0.125 + 0.245, 0.140 + 0.265, 0.012, 37.545 / 21.885),
+    ("balanced run 2", "--workers 1 --scratch-length 48 --prompts-per-step 4 --group-size 4", 1, 4, 4, 48, 0.370,
+     0.135 + 0.267, 0.146 + 0.315, 0.013, 33.092 / 20.355),
+]
+
+
+def validate(seed: int = 0) -> list[dict]:
+    """The measured configurations, fed their measured times: the generation of a step is the synchronous run's
+    wait (its requests run one after another on each worker, prompts per request as --rl-prompts-per-request
+    0 chooses), the trainer's step is each run's own reference + training time (on two shared cores the workers'
+    decoding slows the trainer while they overlap; the simulation has no such contention, so it is given the
+    time measured under it)."""
+    rows = []
+    for name, _, workers, P, G, tokens, wait, train0, train1, publish, measured in MEASURED:
+        per_request = max(1, P // (2 * workers))
+        sequential = math.ceil(P / per_request / workers)
+        argv = ["--workers", str(workers), "--prompts-per-step", str(P), "--group-size", str(G),
+                "--prompts-per-request", str(per_request), "--length-median", str(tokens), "--length-sigma", "0",
+                "--max-length", str(tokens), "--turns", "1", "--tool-latency", "0", "--batch-knee", "1e12",
+                "--decode-latency", str(wait / (sequential * tokens)), "--failure-rate", "0", "--steps", "16",
+                "--train-token-s", "0", "--weights-gb", str(publish), "--bandwidth-gbs", "1", "--seed", str(seed)]
+        a = parser().parse_args(argv + ["--train-fixed-s", str(train0)])
+        check(a)
+        sync = simulate(a, 0)
+        a = parser().parse_args(argv + ["--train-fixed-s", str(train0), "--staleness", "1"])
+        check(a)
+        uncontended = simulate(a, 1)["samples_per_s"] / sync["samples_per_s"]
+        a = parser().parse_args(argv + ["--train-fixed-s", str(train1), "--staleness", "1"])
+        check(a)
+        out = simulate(a, 1)
+        ratio = out["samples_per_s"] / sync["samples_per_s"]
+        rows.append({"run": name, "measured": measured, "simulated": ratio, "error": ratio / measured - 1,
+                     "uncontended": uncontended,
+                     "staleness_max": out["staleness_max"], "prompts_trained_once": out["prompts_trained_once"]})
+    return rows
+
+
+SWEEP_WORKERS = (64, 256, 1024, 4096)
+SWEEP_K = (0, 1, 2, 3, 4)
+
+
+def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
+    """N x K at the default (long-tailed) settings, for Ray workers (one request at a time) and for batching
+    servers (--requests-per-worker 4 --worker-concurrency 4), and for Ray workers given one request at a time
+    (--requests-per-worker 1: none waits in a worker's queue behind a long one); one synchronous run per N and
+    design."""
+    rows = []
+    designs = (("Ray workers", []), ("Ray workers, late binding", ["--requests-per-worker", "1"]),
+               ("batching servers x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"]))
+    for design, flags in designs:
+        for n in SWEEP_WORKERS:
+            sync = None
+            for k in SWEEP_K:
+                b = parser().parse_args(extra + flags + ["--workers", str(n), "--staleness", str(k), "--steps",
+                                                         str(a.steps)])
+                check(b)
+                t0 = time.process_time()
+                out = run(b, sync)
+                if k == 0:
+                    sync = out
+                out.update(design=design, sim_cpu_s=time.process_time() - t0)
+                rows.append(out)
+                print(json.dumps(out), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| design | N | K | speedup | trainer idle | worker util | staleness histogram (0, 1, ..) | "
+            "orchestrator CPU ms/sample |\n|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['design']} | {r['workers']} | {r['staleness']} | {r['speedup']:.2f} | {r['trainer_idle']:.2f} | "
+        f"{r['worker_utilisation']:.2f} | {' / '.join(f'{x:.2f}' for x in r['staleness_hist'])} | "
+        f"{r['orchestrator_cpu_ms_per_sample']:.3f} |\n" for r in rows)
+
+
+def plot(rows: list[dict], path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    designs = (("Ray workers", "-o"), ("Ray workers, late binding", ":^"), ("batching servers x4", "--s"))
+    for d, (design, style) in enumerate(designs):
+        for i, n in enumerate(SWEEP_WORKERS):
+            rs = [r for r in rows if r["design"] == design and r["workers"] == n]
+            if not rs:
+                continue
+            ks = [r["staleness"] for r in rs]
+            label = f"{design}, N={n}"
+            axes[0].plot(ks, [r["speedup"] for r in rs], style, color=f"C{i}", label=label)
+            axes[1].plot(ks, [r["trainer_idle"] for r in rs], style, color=f"C{i}")
+            axes[1].plot(ks, [r["worker_utilisation"] for r in rs], style, color=f"C{i}", alpha=0.4)
+            if n == 1024:
+                for r in rs:
+                    h = r["staleness_hist"]
+                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.05 * d, h, width=0.05,
+                                color=f"C{r['staleness']}", alpha=(1.0, 0.7, 0.4)[d],
+                                label=f"K={r['staleness']}" if d == 0 else None)
+        rs = [r for r in rows if r["design"] == design and r["staleness"] == 2]
+        axes[3].plot([r["workers"] for r in rs], [r["orchestrator_cpu_ms_per_sample"] for r in rs], style,
+                     color=f"C{d + 5}", label=f"{design}, K=2")
+    axes[0].axhline(2.5, color="grey", lw=0.8, ls=":")
+    axes[0].set(xlabel="K (--rl-max-staleness)", ylabel="async / sync samples per second", title="speed-up")
+    axes[0].legend(fontsize=6)
+    axes[1].set(xlabel="K", ylabel="fraction", title="trainer idle (dark), worker utilisation (light)")
+    axes[2].set(xlabel="token staleness (versions)", ylabel="fraction of tokens", title="staleness, N=1024")
+    axes[2].legend(fontsize=7)
+    axes[3].set(xscale="log", xlabel="workers", ylabel="ms per sample", title="orchestrator CPU")
+    axes[3].axhline(1.0, color="grey", lw=0.8, ls=":")
+    axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("cluster and run")
+    g.add_argument("--workers", type=int, default=1024, help="rollout workers (engine replicas)")
+    g.add_argument("--staleness", type=int, default=2, help="--rl-max-staleness K (0: synchronous)")
+    g.add_argument("--steps", type=int, default=12, help="trainer steps")
+    g.add_argument("--prompts-per-step", type=int, default=0, help="P (default: one per worker)")
+    g.add_argument("--group-size", type=int, default=8, help="G samples per prompt")
+    g.add_argument("--prompts-per-request", type=int, default=1, help="--rl-prompts-per-request")
+    g.add_argument("--requests-per-worker", type=int, default=2,
+                   help="requests the orchestrator keeps in flight per worker (its requests_per_worker)")
+    g.add_argument("--worker-concurrency", type=int, default=1,
+                   help="requests a worker runs at once in one batch (1: the Ray worker, the rest queue; "
+                        "= --requests-per-worker: a batching server behind --rl-remote-servers slots)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--length-median", type=float, default=4096.0, help="response tokens per episode, median")
+    g.add_argument("--length-sigma", type=float, default=1.0, help="lognormal sigma of the response length")
+    g.add_argument("--max-length", type=int, default=32768, help="response length cap (--grpo-max-response-length)")
+    g.add_argument("--turns", type=int, default=8, help="model turns per episode (a tool call between two)")
+    g.add_argument("--tool-latency", type=float, default=2.0, help="seconds per tool call, median")
+    g.add_argument("--tool-sigma", type=float, default=1.0)
+    g.add_argument("--decode-latency", type=float, default=0.02, help="seconds per decode step at batch 1")
+    g.add_argument("--batch-knee", type=float, default=64.0, help="batch at which a decode step takes twice as long")
+    g.add_argument("--failure-rate", type=float, default=0.001, help="probability that a request's worker dies")
+    g.add_argument("--restart-s", type=float, default=60.0, help="seconds to replace a lost worker")
+    g.add_argument("--request-timeout", type=float, default=86400.0, help="--rl-rollout-timeout")
+    g.add_argument("--token-quantum", type=int, default=256, help="tokens per version tag carried (accounting)")
+    g = p.add_argument_group("trainer")
+    g.add_argument("--train-token-s", type=float, default=1.5e-6, help="trainer seconds per response token")
+    g.add_argument("--train-fixed-s", type=float, default=5.0, help="trainer seconds per step besides tokens")
+    g.add_argument("--planner-model", default="",
+                   help="instead of --train-token-s: megatron_ext/planning.py's fastest layout for this preset "
+                        "(e.g. kimi-k2.5) on --trainer-gpus, its tokens per second x 3/4 (the reference pass)")
+    g.add_argument("--trainer-gpus", type=int, default=512)
+    g.add_argument("--trainer-gpu", default="h200", help="a GPU of megatron_ext/planning.py's GPUS")
+    g.add_argument("--weights-gb", type=float, default=1040.0, help="bytes published per step (GB)")
+    g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for three designs: a markdown table")
+    p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
+    p.add_argument("--validate", action="store_true", help="the runs measured on this machine, simulated")
+    return p
+
+
+def check(a: argparse.Namespace):
+    for name in ("workers", "steps", "group_size", "prompts_per_request", "requests_per_worker",
+                 "worker_concurrency", "turns",
+                 "max_length", "token_quantum"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if a.staleness < 0 or a.prompts_per_step < 0:
+        raise SystemExit("--staleness and --prompts-per-step must be >= 0")
+    if a.steps < 2:
+        raise SystemExit("--steps must be >= 2 (throughput counts the steps after the first)")
+    for name in ("length_median", "decode_latency", "batch_knee", "bandwidth_gbs"):
+        if getattr(a, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 <= a.failure_rate < 1:
+        raise SystemExit("--failure-rate must be in [0, 1)")
+    a.prompts_per_step = a.prompts_per_step or a.workers
+    if a.planner_model:
+        a.train_token_s = planner_token_s(a)
+
+
+def planner_token_s(a: argparse.Namespace) -> float:
+    """Trainer seconds per token from the planner's fastest layout that fits (sequences of --max-length, a batch of
+    P x G); a step is a training pass plus a reference forward pass (about a third of one), hence 4/3."""
+    from megatron_ext import planning
+    from megatron_ext.models.presets import get_preset
+
+    try:
+        model, gpu = get_preset(a.planner_model), planning.GPUS[a.trainer_gpu]
+    except (ValueError, KeyError):
+        raise SystemExit(f"--planner-model {a.planner_model!r} / --trainer-gpu {a.trainer_gpu!r}: choose a preset of "
+                         f"megatron_ext/models/presets.py and one of {sorted(planning.GPUS)}") from None
+    work = planning.Workload(a.max_length, a.prompts_per_step * a.group_size)
+    fits = planning.plan(model, gpu, a.trainer_gpus, work)
+    if not fits:
+        raise SystemExit(f"--planner-model {a.planner_model}: no layout fits on {a.trainer_gpus} {a.trainer_gpu} GPUs")
+    return 4 / 3 / fits[0].tokens_per_s
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    check(a)
+    if a.validate:
+        rows = validate(a.seed)
+        print("| run | measured async / sync | simulated | error | simulated, no contention |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['run']} | {r['measured']:.2f} | {r['simulated']:.2f} | {100 * r['error']:+.0f}% | "
+                  f"{r['uncontended']:.2f} |")
+        return
+    if a.sweep:
+        argv = list(argv if argv is not None else sys.argv[1:])
+        extra = [x for x in argv if x not in ("--sweep", "--plot", a.plot, "--json")]
+        rows = sweep(a, extra)
+        print(table(rows))
+        if a.plot:
+            plot(rows, a.plot)
+        return
+    out = run(a)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
