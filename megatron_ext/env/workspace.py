@@ -286,6 +286,7 @@ def clear_path(root: str, rel: str) -> str:
             os.unlink(current)
         if not os.path.lexists(current):
             os.mkdir(current)
+            os.chmod(current, 0o755)  # whatever the umask: the sandbox may run as another host uid
     path = os.path.join(current, parts[-1])
     if os.path.lexists(path):
         remove_tree(path)  # a file, link, FIFO, socket or device node, or a folder of any depth
@@ -301,6 +302,7 @@ def _restore(workspace: str, rel: str, entry):
             os.symlink(entry[1], path)
         else:
             with open(path, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)  # readable by the sandbox's uid under any umask, writable by none
                 f.write(entry[1])
 
 
