@@ -5,7 +5,7 @@ Why: a suite run with the harness's own interpreter sees whatever the harness ha
 0.6.1 imports six and wcwidth 0.2.13's tox.ini addopts names ``--cov`` (pytest-cov): both mined 0 tasks because
 the harness lacked them, not because their tests were unusable.
 
-`test_requirements(root)` reads what a source checkout says its tests need: the runtime dependencies
+`requirements_for_tests(root)` reads what a source checkout says its tests need: the runtime dependencies
 (``project.dependencies``, ``install_requires``), the test/dev extras and PEP 735 groups (pyproject.toml,
 setup.cfg, setup.py literals), requirements files (requirements-test.txt, test-requirements.txt, ...), tox.ini
 ``[testenv] deps`` without factor conditions, and the pytest plugins an ``addopts`` needs (``--cov`` ->
@@ -51,7 +51,7 @@ ENV_VERSION = 1
 ENV_FILE = "megatron-environment.json"
 EXTRAS = ("test", "tests", "testing", "dev")
 REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "requirements_test.txt",
-                     "test-requirements.txt", "test_requirements.txt", "requirements-dev.txt",
+                     "test-requirements.txt", "requirements_for_tests.txt", "requirements-dev.txt",
                      "dev-requirements.txt", "requirements/test.txt", "requirements/tests.txt",
                      "requirements/dev.txt")
 ADDOPTS_PLUGINS = {"--cov": "pytest-cov", "--timeout": "pytest-timeout", "-n": "pytest-xdist",
@@ -141,7 +141,7 @@ def _setup_py(path: str) -> list[str]:
     return out
 
 
-def test_requirements(root: str) -> tuple[list[str], list[str]]:
+def requirements_for_tests(root: str) -> tuple[list[str], list[str]]:
     """(requirements, where each group came from) for the tests of the source at root; deduplicated by name
     (the first spelling wins), markers evaluated for this interpreter, the package itself left out."""
     found: list[tuple[str, str]] = []

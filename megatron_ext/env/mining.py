@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ext.atomic import atomic_output
-from megatron_ext.env.environments import EnvBuildError, EnvConfig, build_environment, sandbox_for, test_requirements
+from megatron_ext.env.environments import EnvBuildError, EnvConfig, build_environment, sandbox_for, requirements_for_tests
 from megatron_ext.env.episode import diff_lines
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits, SandboxError, copy_source
 
@@ -213,7 +213,7 @@ class Miner:
         self.sandbox, self.environment = self.config.sandbox, None
         if self.config.env is None:
             return None
-        requirements, sources = test_requirements(root)
+        requirements, sources = requirements_for_tests(root)
         self.log(f"test requirements: {', '.join(requirements) or 'none'}"
                  + (f" (from {'; '.join(sources)})" if sources else ""))
         try:
