@@ -14,7 +14,8 @@ workspace's copy, which is what the agent edits.
 
 `build_environment(requirements, config)` makes ``ENV_DIR/<key>`` (key: a hash of the normalised requirements and
 the interpreter's version) once: ``python -m venv --without-pip``, then the harness's pip installs into it
-(``pip --python``). With a wheel directory, pip first downloads into it and then installs with ``--no-index
+(``pip --python``). With a wheel directory, pip first puts wheels of everything into it (``pip wheel``: an
+sdist-only dependency is built once, so no build backend is needed later) and then installs with ``--no-index
 --find-links`` only from it, so the same environment can be rebuilt offline (``offline``: skip the download).
 When the requirements bring no pytest, the harness's pytest and its dependencies are linked in (symlinks to the
 harness's site-packages, bound read-only into the sandbox with the environment): the grader needs pytest, and
@@ -298,8 +299,8 @@ def build_environment(requirements: list[str], config: EnvConfig, log=print) -> 
             what = f"installing {requirements}"
             if config.wheel_dir:
                 if not config.offline:
-                    _pip(config, ["download", "-q", "-d", config.wheel_dir, *requirements],
-                         f"downloading {requirements} into {config.wheel_dir}")
+                    _pip(config, ["wheel", "-q", "-w", config.wheel_dir, *requirements],
+                         f"downloading (or building) wheels of {requirements} into {config.wheel_dir}")
                 _pip(config, ["--python", python, "install", "-q", "--no-index", "--find-links", config.wheel_dir,
                               *requirements], what + f" from {config.wheel_dir}")
             else:
