@@ -105,3 +105,30 @@ def test_offline_build_without_the_wheel_names_pip_output(tmp_path):
         build_environment(["megatron-nonexistent-dep"], EnvConfig(str(tmp_path / "envs"), str(tmp_path / "wheels"),
                                                                  offline=True))
     assert os.listdir(tmp_path / "envs") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("package, needs", [("isodate==0.6.1", "six"), ("wcwidth==0.2.13", "pytest-cov==4.1.0")])
+def test_real_packages_mine_with_their_environments(tmp_path, package, needs):
+    """Network (PyPI): the two packages that mined 0 tasks with the harness's packages mine verified tasks with
+    their own environments, the reference patch grades correct, and the environment rebuilds offline from the
+    wheel directory. docs/design-notes.md (issue 28, item 1) has the figures of one run."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps", package,
+                    "-d", str(tmp_path / "sdists")], check=True)
+    [sdist] = os.listdir(tmp_path / "sdists")
+    sandbox = BubblewrapConfig(base_dir=str(tmp_path / "boxes"))
+    for offline in (False, True):
+        env = EnvConfig(str(tmp_path / f"envs-{offline}"), wheel_dir=str(tmp_path / "wheels"), offline=offline)
+        tasks, skipped = Miner(MineConfig(sandbox=sandbox, env=env, max_tasks=2), log=lambda m: None).mine(
+            str(tmp_path / "sdists" / sdist), str(tmp_path / f"out-{offline}"), task_base=str(tmp_path))
+        assert len(tasks) == 2, skipped
+        assert needs in environment_info(os.path.join(tmp_path, tasks[0]["environment"]))["requirements"]
+    write_tasks(str(tmp_path / "suite.jsonl"), tasks)
+    task = load_tasks(str(tmp_path / "suite.jsonl"))[0]
+    patch = task.metadata["reference_diff"]
+    r = run_episode(task, ScriptAgent([{"name": "run_command", "arguments": {
+        "command": "cat > /tmp/ref.patch << 'EOF'\n" + patch + "EOF\npatch -p1 < /tmp/ref.patch"}}]),
+        EpisodeConfig(sandbox=sandbox))
+    assert r.reward["correctness"] == 1.0, r.grading
