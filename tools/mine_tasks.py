@@ -11,9 +11,9 @@ printed with its reason. --seed shuffles the candidates (the same seed, the same
 tasks one file gives, so a small --max-tasks still spreads over the package. Each source's test requirements (runtime
 dependencies, test/dev extras, requirements files, tox deps, pytest plugins its addopts needs) go into a cached
 virtual environment under --env-dir (default OUT_STEM.d/envs), which the tasks record and the sandbox runs them
-with; --wheel-dir keeps the wheels for an --offline rebuild; --no-env uses this interpreter's packages. OUT is written atomically and only when
-some task was mined: a run that finds none exits 1 and leaves an existing OUT as it was. See
-megatron_ext/env/mining.py.
+with; --wheel-dir keeps the wheels for an --offline rebuild; --no-env uses this interpreter's packages. OUT is
+written atomically and only when some task was mined: a run that finds none exits 1 and leaves an existing OUT as it
+was. See megatron_ext/env/mining.py and docs/swe-tasks.md.
 """
 
 import argparse

@@ -70,6 +70,11 @@ class EnvBuildError(RuntimeError):
 
 
 # ---- what the tests need ----------------------------------------------------------------------------------
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def _lines(text: str) -> list[str]:
     return [line.split(" #")[0].strip() for line in text.splitlines()
             if line.strip() and not line.strip().startswith("#")]
@@ -81,7 +86,7 @@ def _requirement_file(root: str, rel: str, seen: set) -> list[str]:
         return []
     seen.add(path)
     out = []
-    for line in _lines(open(path, encoding="utf-8", errors="replace").read()):
+    for line in _lines(_read(path)):
         if line.startswith(("-r ", "--requirement ", "-c ", "--constraint ")):
             if line.startswith(("-r", "--requirement")):
                 out += _requirement_file(os.path.dirname(path), line.split(None, 1)[1], seen)
@@ -100,9 +105,11 @@ def _addopts_plugins(addopts) -> list[str]:
     out = []
     for i, word in enumerate(words):
         flag = word.split("=")[0]
-        if flag in ADDOPTS_PLUGINS or any(flag.startswith(f"{k}-") for k in ADDOPTS_PLUGINS if k.startswith("--")):
-            out.append(ADDOPTS_PLUGINS.get(flag) or next(v for k, v in ADDOPTS_PLUGINS.items()
-                                                         if k.startswith("--") and flag.startswith(f"{k}-")))
+        # a plugin's long options share its prefix: --cov-report, --cov-append are pytest-cov's
+        owner = ADDOPTS_PLUGINS.get(flag) or next((v for k, v in ADDOPTS_PLUGINS.items()
+                                                   if k.startswith("--") and flag.startswith(f"{k}-")), None)
+        if owner:
+            out.append(owner)
         elif word == "-p" and i + 1 < len(words) and not words[i + 1].startswith("no:"):
             out.append(P_PLUGINS.get(words[i + 1], words[i + 1].replace("_", "-")))
     return out
@@ -122,7 +129,7 @@ def _ini(path: str) -> Optional[configparser.RawConfigParser]:
 def _setup_py(path: str) -> list[str]:
     """install_requires, tests_require and the test extras of a setup() call, where they are literals."""
     try:
-        tree = ast.parse(open(path, encoding="utf-8", errors="replace").read())
+        tree = ast.parse(_read(path))
     except (SyntaxError, ValueError):
         return []
     out = []
@@ -150,7 +157,7 @@ def requirements_for_tests(root: str) -> tuple[list[str], list[str]]:
     pyproject = os.path.join(root, "pyproject.toml")
     if os.path.isfile(pyproject):
         try:
-            data = tomllib.loads(open(pyproject, encoding="utf-8").read())
+            data = tomllib.loads(_read(pyproject))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError):
             data = {}
         project = data.get("project", {})

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ext.atomic import atomic_output
-from megatron_ext.env.environments import EnvBuildError, EnvConfig, build_environment, sandbox_for, requirements_for_tests
+from megatron_ext.env.environments import (EnvBuildError, EnvConfig, build_environment, requirements_for_tests,
+                                          sandbox_for)
 from megatron_ext.env.episode import diff_lines
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits, SandboxError, copy_source
 

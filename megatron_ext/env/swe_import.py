@@ -73,7 +73,7 @@ def read_instances(path: str) -> list[dict]:
     return out
 
 
-def test_ids(value, name: str) -> list[str]:
+def parse_ids(value, name: str) -> list[str]:
     """A FAIL_TO_PASS / PASS_TO_PASS value: a list of strings or a JSON-encoded one."""
     if isinstance(value, str):
         try:
@@ -83,9 +83,6 @@ def test_ids(value, name: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
         raise SkipInstance(f"{name} must be a list of test ids")
     return value
-
-
-test_ids.__test__ = False  # not a pytest test
 
 
 def patched_files(patch: str) -> tuple[list[str], list[str]]:
@@ -134,8 +131,8 @@ class Importer:
         missing = [k for k in FIELDS if k not in instance]
         if missing:
             raise SkipInstance(f"missing fields {missing}")
-        f2p = test_ids(instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
-        p2p = test_ids(instance["PASS_TO_PASS"], "PASS_TO_PASS")
+        f2p = parse_ids(instance["FAIL_TO_PASS"], "FAIL_TO_PASS")
+        p2p = parse_ids(instance["PASS_TO_PASS"], "PASS_TO_PASS")
         if not f2p:
             raise SkipInstance("FAIL_TO_PASS is empty")
         odd = [t for t in f2p + p2p if "::" not in t]
