@@ -28,6 +28,7 @@ setup(
         "ray==2.60.0",  # megatron_ext/rl: rollout workers and environments outside the trainer
         "matplotlib",  # tools/run_eval.py: the evaluation report's figures
         "jsonschema>=4.18",  # tools/run_eval.py --validate: the task JSON Schema (draft 2020-12)
+        "packaging>=22",  # megatron_ext/env/environments.py: requirement strings and markers of task environments
     ],
     extras_require={
         # transformers: the reference implementation in parity tests; compressed-tensors: an independent INT4

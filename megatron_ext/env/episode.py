@@ -32,6 +32,7 @@ from typing import Callable, Optional, Protocol
 from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, is_bytecode, parse_pytest_command,
                                       runner_command, steering_paths)
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_run, score
+from megatron_ext.env.environments import sandbox_for
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
 from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
@@ -144,7 +145,8 @@ class Session:
         self.summarizing = False   # the last message asks for a summary
         self.restarted = False     # the last apply() closed a segment: messages is a new conversation
         self.segment_start_tokens = 0
-        self.box = BubblewrapSandbox(task.repo, self.config.sandbox)
+        self.sandbox = sandbox_for(self.config.sandbox, task.environment)
+        self.box = BubblewrapSandbox(task.repo, self.sandbox)
         try:
             if os.path.isdir(task.repo):
                 self.pristine = snapshot(task.repo, TRUSTED)
@@ -300,7 +302,7 @@ class Session:
                 old, new = _text(pristine.get(rel)), _text(final.get(rel))
                 if old is not None and new is not None:
                     changes[rel] = (old, new)
-        sandbox = self.config.sandbox
+        sandbox = self.sandbox
         grading_config = dataclasses.replace(sandbox, limits=dataclasses.replace(
             sandbox.limits, output_bytes=self.config.grading_output_bytes))
         pytest_cmd = parse_pytest_command(self.task.test_command)

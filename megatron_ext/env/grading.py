@@ -268,7 +268,9 @@ def _digest(h, path: str):
 
 
 def cache_key(task) -> str:
-    h = hashlib.sha256(f"v{GRADER_VERSION}\0{task.test_command}\0".encode())
+    env = getattr(task, "environment", None) or ""  # its folder name is the hash of its requirements
+    h = hashlib.sha256(f"v{GRADER_VERSION}\0{task.test_command}\0".encode() +
+                       (f"env:{os.path.basename(env)}\0".encode() if env else b""))
     _digest(h, task.repo)
     h.update(b"\0hidden\0")
     if task.hidden_tests:

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ext.atomic import atomic_output
+from megatron_ext.env.environments import (EnvBuildError, EnvConfig, build_environment, requirements_for_tests,
+                                          sandbox_for)
 from megatron_ext.env.episode import diff_lines
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits, SandboxError, copy_source
 
@@ -66,6 +68,7 @@ class MineConfig:
     timeout_s: float = 300.0         # one run of the test suite
     sandbox: BubblewrapConfig = field(default_factory=lambda: BubblewrapConfig(
         limits=Limits(wall_s=300.0, cpu_s=600, output_bytes=16 << 20)))
+    env: Optional[EnvConfig] = None  # per-source environments (environments.py); None: the harness's python
 
 
 def is_test_file(rel: str) -> bool:
@@ -202,10 +205,28 @@ class Miner:
     def __init__(self, config: Optional[MineConfig] = None, log=print):
         self.config, self.log = config or MineConfig(), log
         self.suite_output = ""  # the output of the last run_suite
+        self.sandbox = self.config.sandbox  # the current source's (its environment's python)
+        self.environment: Optional[str] = None
+
+    def use_environment(self, root: str) -> Optional[str]:
+        """Build (or find) the environment root's tests need and run the suites with it; the reason when it
+        cannot be built (None: ready, or environments are off)."""
+        self.sandbox, self.environment = self.config.sandbox, None
+        if self.config.env is None:
+            return None
+        requirements, sources = requirements_for_tests(root)
+        self.log(f"test requirements: {', '.join(requirements) or 'none'}"
+                 + (f" (from {'; '.join(sources)})" if sources else ""))
+        try:
+            self.environment = build_environment(requirements, self.config.env, self.log)
+        except (EnvBuildError, OSError, subprocess.TimeoutExpired) as e:
+            return f"cannot build the test environment: {e}"
+        self.sandbox = sandbox_for(self.config.sandbox, self.environment)
+        return None
 
     def run_suite(self, root: str, tests: list[str], replace: Optional[tuple[str, str]] = None) -> dict[str, str]:
         """Results of the test files under root (optionally with one file's text replaced)."""
-        with BubblewrapSandbox(root, self.config.sandbox) as box:
+        with BubblewrapSandbox(root, self.sandbox) as box:
             if replace:
                 box.write_file(replace[0], replace[1].encode())
             self.suite_output = box.exec(pytest_command(root, f"--junitxml={REPORT}"),
@@ -217,7 +238,7 @@ class Miner:
 
     def check(self, root: str, hidden: str, command: str) -> tuple[Optional[int], str]:
         """Exit code and output of command in a sandbox holding root plus the hidden tests."""
-        with BubblewrapSandbox(root, self.config.sandbox) as box:
+        with BubblewrapSandbox(root, self.sandbox) as box:
             shutil.copytree(hidden, box.workspace, dirs_exist_ok=True, symlinks=True)
             r = box.exec(command, timeout_s=self.config.timeout_s)
             return r.exit_code, r.output
@@ -238,6 +259,9 @@ class Miner:
             tests = [f for f in files if is_test_file(f)]
             if not tests:
                 return [], [(source, "no test files (test_*.py, *_test.py, tests/)")]
+            why = self.use_environment(ref)
+            if why:
+                return [], [(source, why)]
             reference = self.run_suite(ref, tests)
             if not any(s == "passed" for s in reference.values()):
                 return [], [(source, reference_failure(self.suite_output))]
@@ -325,7 +349,8 @@ class Miner:
         return command, None
 
     def _record(self, task_id, folder, instruction, command, hidden_tests, metadata) -> dict:
-        return {"id": task_id, "repo": os.path.relpath(os.path.join(folder, "repo"), self.task_base),
+        env = {"environment": os.path.relpath(self.environment, self.task_base)} if self.environment else {}
+        return {**env, "id": task_id, "repo": os.path.relpath(os.path.join(folder, "repo"), self.task_base),
                 "instruction": instruction, "test_command": command, "timeout_s": self.config.timeout_s,
                 "hidden_tests": os.path.relpath(os.path.join(folder, "hidden"), self.task_base),
                 "forbidden": sorted({*hidden_tests, *[f"{d}/*" for d in TEST_DIRS], "*conftest.py"}),
@@ -371,6 +396,9 @@ class Miner:
             _git_tree(repo, parent, before)
             tests = [f for f in python_files(ref) if is_test_file(f)]
             old_tests = [f for f in python_files(before) if is_test_file(f)]
+            why = self.use_environment(ref)
+            if why:
+                return None, why
             reference = self.run_suite(ref, tests)
             _layout(composite, before, old_tests, ref, tests)
             shutil.copytree(os.path.join(composite, "hidden"), os.path.join(composite, "repo"), dirs_exist_ok=True)

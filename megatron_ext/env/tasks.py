@@ -11,6 +11,8 @@ A task is a JSON object (a ``.json`` file, or one line of a ``.jsonl`` suite):
      "forbidden": ["tests/*"],               # optional: globs ('*' crosses folders) of files the agent must not
                                              # edit; changed ones are counted and restored before grading
      "max_turns": 30, "command_timeout_s": 60,             # optional episode limits
+     "environment": "envs/3f2a...",          # optional: the task's virtual environment (environments.py); its
+                                             # python runs the agent's commands and grading
      "metadata": {"source": "...", "category": "...", "reference_diff_lines": 12}}
 
 Relative paths are relative to the file that holds the task. The agent's copy never contains ``.git`` (history
@@ -41,17 +43,19 @@ class Task:
     max_turns: int = 30
     command_timeout_s: float = 60.0
     metadata: dict = field(default_factory=dict)
+    environment: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"id": self.id, "repo": self.repo, "instruction": self.instruction,
                 "test_command": self.test_command, "timeout_s": self.timeout_s, "hidden_tests": self.hidden_tests,
                 "forbidden": list(self.forbidden), "max_turns": self.max_turns,
-                "command_timeout_s": self.command_timeout_s, "metadata": dict(self.metadata)}
+                "command_timeout_s": self.command_timeout_s, "metadata": dict(self.metadata),
+                **({"environment": self.environment} if self.environment else {})}
 
 
 _REQUIRED = {"id": str, "repo": str, "instruction": str, "test_command": str, "timeout_s": (int, float)}
 _OPTIONAL = {"hidden_tests": (str, type(None)), "forbidden": list, "max_turns": int,
-             "command_timeout_s": (int, float), "metadata": dict}
+             "command_timeout_s": (int, float), "metadata": dict, "environment": (str, type(None))}
 
 
 def task_from_dict(record, base_dir: str, where: str) -> Task:
@@ -90,6 +94,10 @@ def task_from_dict(record, base_dir: str, where: str) -> Task:
         if _inside(task.hidden_tests, task.repo):
             raise TaskError(f"{where}: hidden_tests {task.hidden_tests} lies inside the repo; the agent would see "
                             "them - move them outside")
+    if task.environment is not None:
+        task.environment = resolve(task.environment)
+        if not os.path.isfile(os.path.join(task.environment, "bin", "python")):
+            raise TaskError(f"{where}: environment {task.environment} is not a virtual environment (no bin/python)")
     task.forbidden = list(task.forbidden)
     task.metadata = dict(task.metadata)
     return task

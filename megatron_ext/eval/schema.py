@@ -37,6 +37,9 @@ TASK_SCHEMA = {
                       "description": "globs ('*' crosses folders) of files the agent must not edit"},
         "max_turns": {"type": "integer", "minimum": 1, "description": "agent turns (default 30)"},
         "command_timeout_s": {**_POSITIVE, "description": "limit of one agent command, seconds (default 60)"},
+        "environment": {"type": ["string", "null"],
+                        "description": "the task's virtual environment (a folder with bin/python): its python "
+                                       "runs the agent's commands and grading"},
         "metadata": {"type": "object", "description": "anything else: source, category, reference_diff_lines, "
                                                       "fail_to_pass, ..."},
     },
