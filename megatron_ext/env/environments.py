@@ -37,6 +37,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -286,6 +287,19 @@ def _link_pytest(venv: str) -> list[str]:
     return sorted(folders)
 
 
+def _readable_by_all(folder: str):
+    """The sandbox may run as another host uid (root trainers): whatever the umask was, it must read and run the
+    environment (our own tree, built just now: a plain walk is safe)."""
+    for top, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            if not os.path.islink(path):
+                mode = os.stat(path).st_mode
+                extra = 0o555 if stat.S_ISDIR(mode) or mode & 0o100 else 0o444
+                os.chmod(path, stat.S_IMODE(mode) | extra)
+    os.chmod(folder, stat.S_IMODE(os.stat(folder).st_mode) | 0o555)
+
+
 def build_environment(requirements: list[str], config: EnvConfig, log=print) -> str:
     """The environment's folder (built now, or found in the cache)."""
     key = env_key(requirements, config.python)
@@ -316,6 +330,7 @@ def build_environment(requirements: list[str], config: EnvConfig, log=print) -> 
         with open(os.path.join(tmp, ENV_FILE), "w") as f:
             json.dump({"version": ENV_VERSION, "key": key, "requirements": sorted(requirements),
                        "linked_from": linked}, f, indent=1)
+        _readable_by_all(tmp)
         try:
             os.rename(tmp, path)
         except OSError:  # another process finished the same environment first

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from megatron_ext.env.sandbox import WORKDIR, BubblewrapConfig, BubblewrapSandbox
+from megatron_ext.env.workspace import overlay
 
 GRADER_VERSION = 1
 GRADER_MOUNT = "/grading"            # the runner and our pytest.ini, read-only
@@ -299,7 +300,7 @@ def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_di
     with BubblewrapSandbox(task.repo, sandbox) as box:
         run = GradingRun(box)
         if task.hidden_tests:
-            shutil.copytree(task.hidden_tests, box.workspace, dirs_exist_ok=True, symlinks=True)
+            overlay(task.hidden_tests, box.workspace)  # as the graded run lays them (modes the sandbox can read)
         r = box.exec(runner_command(cmd, "collect"), timeout_s=timeout_s)
         report, why = run.report()
     if report is None or not (report["collected"] or report["collection_errors"]):
