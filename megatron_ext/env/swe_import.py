@@ -35,7 +35,7 @@ from megatron_ext.env.environments import EnvBuildError, EnvConfig, build_enviro
     sandbox_for
 from megatron_ext.env.episode import diff_lines
 from megatron_ext.env.grading import GradingRun, evaluate, from_metadata, parse_pytest_command, runner_command
-from megatron_ext.env.mining import _git_tree, _slug, pytest_command
+from megatron_ext.env.mining import _git_tree, _read_text, _slug, pytest_command
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, Limits
 from megatron_ext.env.tasks import TaskError, task_from_dict
 from megatron_ext.env.workspace import overlay
@@ -180,7 +180,7 @@ class Importer:
                       "metadata": {"source": instance["repo"], "category": "swe", "base_commit":
                                    instance["base_commit"], "fail_to_pass": sorted(f2p),
                                    "pass_to_pass": sorted(p2p), "reference_diff": instance["patch"],
-                                   "reference_diff_lines": sum(diff_lines(_read(base, f), _read(gold, f))
+                                   "reference_diff_lines": sum(diff_lines(_read_text(base, f), _read_text(gold, f))
                                                                for f in patched_files(instance["patch"])[0])}}
             if environment:
                 record["environment"] = os.path.relpath(environment, task_base)
@@ -219,11 +219,3 @@ class Importer:
             except SkipInstance as e:
                 skipped.append((name, str(e)))
         return tasks, skipped
-
-
-def _read(root: str, rel: str) -> str:
-    try:
-        with open(os.path.join(root, rel), encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return ""
