@@ -423,7 +423,7 @@ class RLTrainer:
         None: nothing left to train; "stop": a SIGTERM arrived while rank 0 waited for the fleet."""
         args, cfg = self.args, self.cfg
         if cfg.fleet is not None:
-            if self.fleet is not None and os.environ.get(FAULT_ENV) == f"worker:{self.iteration}":
+            if self.fleet is not None and _fault_armed("worker", self.iteration):
                 os.kill(self.fleet.worker_pid(0), signal.SIGKILL)  # kill -9 a rollout worker mid-rollout
             out = self._fleet_batch()
             if out is None or out == "stop":
@@ -609,7 +609,7 @@ class RLTrainer:
     def save(self):
         extra = {"rl_state": {**self.ledger.state_dict(), "reference": self.reference_source,
                               "prompts": prompt_identity(self.tasks), "consumed_samples": self.consumed_samples}}
-        if os.environ.get(FAULT_ENV) == f"saving:{self.iteration}":  # every shard written, not yet published
+        if _fault_armed("saving", self.iteration):  # every shard written, not yet published
             checkpointing.publish = lambda *a, **k: _fault("saving", self.iteration)
         save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler, extra=extra)
 
@@ -688,13 +688,18 @@ FAULT_ENV = "MEGATRON_EXT_RL_FAULT"
 FAULT_WAIT_ENV = "MEGATRON_EXT_RL_FAULT_WAIT"
 
 
+def _fault_armed(point: str, iteration: int) -> bool:
+    """The one switch of every fault-injection point (see _fault): set by the exactly-once tests only."""
+    return os.environ.get(FAULT_ENV) == f"{point}:{iteration}"
+
+
 def _fault(point: str, iteration: int):
     """Fault injection for the exactly-once tests: MEGATRON_EXT_RL_FAULT=POINT:ITERATION kills this process
     (SIGKILL, nothing flushed or cleaned up) when it reaches POINT while at ITERATION (POINT `worker`: rank 0
     kills rollout worker 0 instead, at the start of that step). With MEGATRON_EXT_RL_FAULT_WAIT=FILE it writes FILE
     and waits there instead, for the test to kill -9 the whole process tree (torchrun and every rank) from outside,
     as a SLURM preemption or a node failure does."""
-    if os.environ.get(FAULT_ENV) != f"{point}:{iteration}":
+    if not _fault_armed(point, iteration):
         return
     marker = os.environ.get(FAULT_WAIT_ENV)
     if not marker:
