@@ -23,6 +23,10 @@ BASE = ["--model", "tiny-kimi-linear", "--mock-data", "--micro-batch-size", "2",
 # Measured after one optimizer step: 1.1e-4 of the largest entry on A_log (a tensor of 4 small gradients); a
 # missing or doubled reduction is O(1).
 CP_GRAD_RTOL = 5e-4
+# The router's weight gradient is a sum of cancelling per-token terms (it ends ~1e-5, far below its terms), and under
+# TP2+SP it is reduced in another order than on one rank: measured 1.02e-4 of its largest entry (1.49e-9 of 1.47e-5);
+# a missing or doubled reduction is O(1).
+ROUTER_GRAD_RTOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def test_layout_matches_single_rank(world, flags, reference):
             scale = float(r.abs().max())
             assert scale > 0, f"step {step} {key}: no gradient in the one-rank run"
             err = float((ours[key] - r).abs().max())
-            assert err <= (CP_GRAD_RTOL if cp else GRAD_RTOL) * scale, \
+            rtol = CP_GRAD_RTOL if cp else ROUTER_GRAD_RTOL if key.endswith("router.weight") else GRAD_RTOL
+            assert err <= rtol * scale, \
                 f"step {step} {key}: max |diff| {err:.3g} vs max |grad| {scale:.3g}"
 
 
