@@ -734,10 +734,7 @@ class BubblewrapSandbox:
         except OSError as e:
             raise SandboxError(f"{path}: cannot open ({e.strerror})") from None
         with os.fdopen(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SandboxError(f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files can be "
-                                   "read")
+            st = _regular_file(fd, path, "read")
             if max_bytes is not None and st.st_size > max_bytes:
                 raise SandboxError(f"{path}: {st.st_size} bytes, more than the {max_bytes} this tool reads; "
                                    "use run_command (head, sed -n, grep) to look at parts of it")
@@ -756,10 +753,7 @@ class BubblewrapSandbox:
         except OSError as e:  # ENXIO: a FIFO nobody reads; ELOOP: a symlink swapped in
             raise SandboxError(f"{path}: cannot write ({e.strerror})") from None
         with os.fdopen(fd, "wb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SandboxError(f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files can be "
-                                   "written")
+            _regular_file(fd, path, "written")
             os.ftruncate(fd, 0)
             try:
                 f.write(data)
@@ -803,6 +797,14 @@ class BubblewrapSandbox:
     def __exit__(self, *exc):
         self.close()
 
+
+
+def _regular_file(fd: int, path: str, verb: str) -> os.stat_result:
+    """The open file's status; a FIFO, socket or device is refused (host-side tools touch regular files only)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SandboxError(f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files can be {verb}")
+    return st
 
 def _kind(mode: int) -> str:
     return "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else \
