@@ -364,15 +364,18 @@ def parse_assistant(tokenizer, ids: Sequence[int]) -> dict:
         ids = ids[: ids.index(special[SECTION_BEGIN])]
         while special[CALL_BEGIN] in section:
             section = section[section.index(special[CALL_BEGIN]) + 1:]
-            if special[CALL_ARGS] not in section or special[CALL_END] not in section:
-                incomplete = True
+            if special[CALL_END] not in section:
+                incomplete = True  # cut off by the token limit
                 break
-            head, rest = section[: section.index(special[CALL_ARGS])], section[section.index(special[CALL_ARGS]) + 1:]
+            span, section = section[: section.index(special[CALL_END])], section[section.index(special[CALL_END]) + 1:]
+            if special[CALL_ARGS] in span:
+                head, arguments = span[: span.index(special[CALL_ARGS])], tokenizer.decode(
+                    span[span.index(special[CALL_ARGS]) + 1:])
+            else:  # a sampled call whose markers are out of order: kept, so the toolbox reports it as invalid
+                head, arguments = span, f"(malformed call: no {CALL_ARGS} marker before {CALL_END})"
             call_id = tokenizer.decode(head).strip()
             name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": tokenizer.decode(rest[: rest.index(special[CALL_END])])}})
-            section = rest[rest.index(special[CALL_END]) + 1:]
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     message = {"content": tokenizer.decode(ids), "tool_calls": calls}
     if reasoning is not None:
         message["reasoning_content"] = reasoning

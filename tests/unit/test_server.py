@@ -387,6 +387,37 @@ def test_assistant_turns_parse_back_to_messages(tmp_path):
     assert parse_assistant(tokenizer, plain[len(prompt):]) == {"content": "No tools needed.", "tool_calls": []}
 
 
+def test_garbled_tool_call_markers_never_raise(tmp_path):
+    """A sampled turn may put the call markers in any order (an RL policy does); parsing keeps going and a call
+    without its argument marker comes back as a call the toolbox rejects, not as an exception."""
+    import random
+
+    from megatron_ext.data.sft import CALL_ARGS, CALL_BEGIN, CALL_END, IM_END, SECTION_BEGIN, SECTION_END, \
+        THINK_BEGIN, THINK_END, parse_assistant
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.env.tools import ToolError, validate
+    from tests.unit.data_fixtures import small_corpus, trained_tokenizer
+
+    tokenizer = build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
+    sp = {name: tokenizer.token_id(name) for name in
+          (SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_ARGS, CALL_END, THINK_BEGIN, THINK_END, IM_END)}
+    name = tokenizer.encode("functions.list_dir:0")
+    # the order that crashed an RL run: END before ARGS, then no END after ARGS
+    garbled = [sp[SECTION_BEGIN], sp[CALL_BEGIN], *name, sp[CALL_END], sp[CALL_ARGS], *tokenizer.encode("{}")]
+    parsed = parse_assistant(tokenizer, garbled)
+    assert [c["function"]["name"] for c in parsed["tool_calls"]] == ["list_dir"]
+    try:
+        validate("list_dir", parsed["tool_calls"][0]["function"]["arguments"])
+        raise AssertionError("a call without its argument marker must not validate")
+    except ToolError as e:
+        assert "not valid JSON" in str(e)
+    rng = random.Random(0)
+    pool = list(sp.values()) + name + tokenizer.encode('{"path": "a"}')
+    for _ in range(2000):
+        message = parse_assistant(tokenizer, [rng.choice(pool) for _ in range(rng.randint(0, 24))])
+        assert isinstance(message["content"], str) and isinstance(message["tool_calls"], list)
+
+
 def test_hf_dir_under_torchrun_is_refused(monkeypatch, capsys):
     from tests.unit.data_fixtures import load_tool
 
