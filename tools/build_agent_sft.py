@@ -8,7 +8,7 @@ id>.json in the ACTIONS.json format that run_eval's script:DIR agent replays. Ea
 (megatron_ext/env/episode.py, the --env-* sandbox limits), so the tool results in the data are the real
 observations RL and evaluation show; the episode is graded in a fresh sandbox with the hidden tests and kept only
 when it finished, every call was valid and the grade is correct. Every kept episode is one JSON line
-{"id", "messages", "tools"}: the transcript (tool calls in the OpenAI shape, rendered in the Kimi-K2 format by
+{"id", "messages", "tools"}: the transcript up to the model's last turn (tool calls in the OpenAI shape, rendered in the Kimi-K2 format by
 megatron_ext/data/sft.py, tool results as tool messages) and the declared tools, exactly what
 `pretrain_composer.py --sft --data-path` reads and what the RL environment's token sequences hold
 (tests/unit/test_agent_sft.py checks them token for token). Dropped tasks are counted by reason on stderr and in
@@ -54,7 +54,10 @@ def oracle_episode(task: Task, actions: list, config: EpisodeConfig) -> tuple[di
         return None, f"graded wrong (tests passed: {result.grading.get('tests_fraction', 0):.0%})"
     if result.grading.get("forbidden_edits"):
         return None, "forbidden edits"
-    return {"id": task.id, "messages": result.messages, "tools": tools}, None
+    messages = list(result.messages)
+    while messages[-1]["role"] == "tool":  # finish's "finished": after the last model turn, nothing to learn
+        messages.pop()
+    return {"id": task.id, "messages": messages, "tools": tools}, None
 
 
 def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1):

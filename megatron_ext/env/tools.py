@@ -34,14 +34,20 @@ def _fn(name: str, description: str, properties: dict, required: list, short: st
 
 
 def declarations(schemas: list[dict], kind: str = "full") -> list[dict]:
-    """The tool list an episode declares to the model. "compact" swaps each description for a few words so a small
-    model's context holds a multi-turn episode (the full list is ~1.5k tokens of a 2k BPE vocabulary); names,
-    parameters, types and required lists stay the same objects, so calls are validated by the same schemas."""
+    """The tool list an episode declares to the model. "compact" swaps each description for a few words and leaves
+    out the constant ``"additionalProperties": false``, so a small model's context holds a multi-turn episode
+    (docs/agent-prompt.md has the token counts); names, parameter names, types, enums and required lists are the
+    same, and calls are still validated by the full schemas (`SCHEMAS`), extra arguments refused as before."""
     if kind == "full":
         return schemas
     if kind != "compact":
         raise ValueError(f"tool declarations must be one of {TOOL_DECLARATIONS}, got {kind!r}")
-    return [{**t, "function": {**t["function"], "description": _SHORT[t["function"]["name"]]}} for t in schemas]
+    out = []
+    for t in schemas:
+        fn = t["function"]
+        parameters = {k: v for k, v in fn["parameters"].items() if k != "additionalProperties"}
+        out.append({**t, "function": {**fn, "description": _SHORT[fn["name"]], "parameters": parameters}})
+    return out
 
 
 def declared_kind(tools) -> str | None:

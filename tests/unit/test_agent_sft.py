@@ -1,0 +1,165 @@
+"""Agent prompt options and SFT data from oracle trajectories (issue 26, item 2): compact tool declarations keep
+every schema, oracle episodes become chat SFT lines whose rendering is token for token what the RL environment
+produces, and a checkpoint records the declarations it was trained with so local: agents prompt it the same way."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from megatron_ext.data.sft import render_chat
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.env.arguments import sft_agent_prompt
+from megatron_ext.env.demo import ORACLE, make_two_part_task
+from megatron_ext.env.episode import EpisodeConfig
+from megatron_ext.env.sandbox import BubblewrapConfig
+from megatron_ext.env.swarm import SWARM_TOOL_SCHEMAS
+from megatron_ext.env.token_env import CodingEnv
+from megatron_ext.env.tools import TOOL_SCHEMAS, declarations, declared_kind, validate
+from tests.unit.data_fixtures import load_tool, small_corpus, trained_tokenizer
+from tests.unit.eval_fixtures import make_suite, script_dir
+
+
+def _tokenizer(tmp_path):
+    return build_tokenizer(None, trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024))
+
+
+def test_compact_declarations_keep_every_schema(tmp_path):
+    for schemas in (TOOL_SCHEMAS, SWARM_TOOL_SCHEMAS):
+        compact = declarations(schemas, "compact")
+        assert declarations(schemas, "full") is schemas
+        assert [t["function"]["name"] for t in compact] == [t["function"]["name"] for t in schemas]
+        for short, full in zip(compact, schemas):
+            assert short["type"] == full["type"] == "function"
+            params, full_params = short["function"]["parameters"], full["function"]["parameters"]
+            assert params == {k: v for k, v in full_params.items() if k != "additionalProperties"}
+            assert params["properties"] == full_params["properties"] and params["required"] == full_params["required"]
+            assert set(short["function"]) == set(full["function"])
+            assert 0 < len(short["function"]["description"].split()) <= 6
+            assert len(short["function"]["description"]) < len(full["function"]["description"])
+        assert declared_kind(compact) == "compact" and declared_kind(schemas) == "full"
+    assert TOOL_SCHEMAS[0]["function"]["description"].startswith("Read a text file, with line numbers")  # untouched
+    assert declared_kind([{"type": "function", "function": {"name": "mine"}}]) is None
+    assert validate("read_file", '{"path": "a.py", "start_line": 2}') == {"path": "a.py", "start_line": 2}
+    with pytest.raises(ValueError, match="unknown arguments"):  # still refused, though compact does not say so
+        validate("read_file", '{"path": "a.py", "mode": "r"}')
+    with pytest.raises(ValueError, match="must be one of"):
+        declarations(TOOL_SCHEMAS, "tiny")
+    tokenizer = _tokenizer(tmp_path)
+    message = [{"role": "user", "content": "x"}]
+    full = len(render_chat(tokenizer, message, tools=TOOL_SCHEMAS).ids)
+    compact = len(render_chat(tokenizer, message, tools=declarations(TOOL_SCHEMAS, "compact")).ids)
+    assert compact < full * 0.8, (compact, full)
+
+
+def _oracle_suite(root: str):
+    """Four demo tasks: two with the oracle, one whose script does nothing (graded wrong), one without a file."""
+    suite = make_suite(root, ids=("add-a", "add-b", "add-c"))
+    with open(suite, "a") as f:
+        f.write(json.dumps({**json.loads(open(suite).readline()), "id": "no-oracle"}) + "\n")
+    oracle = script_dir(root, "oracle", {"add-a": ORACLE, "add-b": ORACLE,
+                                         "add-c": [{"name": "list_dir", "arguments": {}}]})
+    return suite, oracle
+
+
+def test_build_agent_sft_keeps_only_correct_oracle_episodes(tmp_path, capsys):
+    suite, oracle = _oracle_suite(str(tmp_path))
+    out = str(tmp_path / "sft.jsonl")
+    code = load_tool("build_agent_sft").main(["--tasks", suite, "--oracle", oracle, "--output", out,
+                                              "--env-tool-declarations", "compact", "--concurrency", "2",
+                                              "--env-sandbox-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    lines = [json.loads(line) for line in open(out)]
+    assert [r["id"] for r in lines] == ["add-a", "add-b"]
+    report = json.load(open(out + ".report.json"))
+    assert report["dropped_tasks"] == {"add-c": "graded wrong (tests passed: 0%)", "no-oracle": "no oracle file"}
+    assert "kept 2 of 4" in err and "dropped 1: graded wrong" in err and "dropped 1: no oracle file" in err
+    record = lines[0]
+    assert record["tools"] == declarations(TOOL_SCHEMAS, "compact")
+    roles = [m["role"] for m in record["messages"]]
+    assert roles == ["system", "user"] + ["assistant", "tool"] * (len(ORACLE) - 1) + ["assistant"]
+    calls = [m["tool_calls"][0]["function"] for m in record["messages"] if m["role"] == "assistant"]
+    assert [c["name"] for c in calls] == [a["name"] for a in ORACLE]
+    observations = [m["content"] for m in record["messages"] if m["role"] == "tool"]
+    assert "raise NotImplementedError" in observations[1] and observations[3] == "5\n[exit code 0]"  # real outputs
+    assert record["messages"][-1]["tool_calls"][0]["function"]["name"] == "finish"
+
+
+def _model_turns(rendered) -> list[list[int]]:
+    """The runs of trained tokens of an SFT rendering: the model's turns, body and <|im_end|>."""
+    turns, current = [], None
+    for token, trained in zip(rendered.ids, rendered.loss_mask):
+        if trained:
+            current = current if current is not None else []
+            current.append(token)
+        elif current is not None:
+            turns.append(current)
+            current = None
+    return turns + ([current] if current else [])
+
+
+@pytest.mark.parametrize("kind", ["compact", "full"])
+def test_sft_rendering_is_the_rl_token_sequence(tmp_path, kind):
+    """SFT teaches exactly what RL samples: the model turns of an SFT line, fed to CodingEnv.step, rebuild the SFT
+    rendering token for token, and the SFT loss covers exactly the model's tokens of that sequence."""
+    tokenizer = _tokenizer(tmp_path)
+    suite, oracle = _oracle_suite(str(tmp_path))
+    out = str(tmp_path / "sft.jsonl")
+    assert load_tool("build_agent_sft").main(["--tasks", suite, "--oracle", oracle, "--output", out,
+                                              "--env-tool-declarations", kind, "--env-sandbox-dir",
+                                              str(tmp_path)]) == 0
+    record = json.loads(open(out).readline())
+    sft = render_chat(tokenizer, record["messages"], tools=record["tools"])
+    task = json.loads(open(suite).readline())
+    config = EpisodeConfig(sandbox=BubblewrapConfig(base_dir=str(tmp_path / "boxes")), tool_declarations=kind)
+    env = CodingEnv(tokenizer, config, task_dir=os.path.dirname(suite))
+    sequence = env.reset(task)
+    mask = [0] * len(sequence)
+    turns = _model_turns(sft)
+    assert len(turns) == len(ORACLE)
+    for i, turn in enumerate(turns):
+        step = env.step(turn)
+        sequence += turn + step.observation
+        mask += [1] * len(turn) + [0] * len(step.observation)
+        assert step.done == (i == len(turns) - 1)
+    assert sequence == sft.ids
+    assert mask == sft.loss_mask
+    assert env.session.messages == record["messages"] + [
+        {"role": "tool", "tool_call_id": f"functions.finish:{len(ORACLE) - 1}", "content": "finished"}]
+    assert env.score().parts["correctness"] == 1.0
+
+
+def test_sft_data_decides_and_checks_the_flag(tmp_path):
+    path = str(tmp_path / "chat.jsonl")
+    compact = declarations(TOOL_SCHEMAS, "compact")
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": compact}) + "\n")
+    args = argparse.Namespace(sft=True, data_path=[path], env_tool_declarations=None)
+    sft_agent_prompt(args, log=lambda line: None)
+    assert args.env_tool_declarations == "compact"
+    args.env_tool_declarations = "full"
+    with pytest.raises(ValueError, match=r"--env-tool-declarations full, but --data-path .* declares the compact "
+                                         r"tools \(line 2\)"):
+        sft_agent_prompt(args)
+    with open(path, "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": TOOL_SCHEMAS}) + "\n")
+    args.env_tool_declarations = None
+    with pytest.raises(ValueError, match="line 3 declares the full tools and line 2 the compact ones"):
+        sft_agent_prompt(args)
+
+
+def test_two_part_oracle_is_kept_with_full_declarations(tmp_path, capsys):
+    task = make_two_part_task(str(tmp_path / "kit"))
+    from megatron_ext.env.demo import TWO_PART_SERIAL
+
+    oracle = script_dir(str(tmp_path), "oracle", {"kit-two-part": TWO_PART_SERIAL})
+    out = str(tmp_path / "sft.jsonl")
+    assert load_tool("build_agent_sft").main(["--tasks", task, "--oracle", oracle, "--output", out,
+                                              "--env-sandbox-dir", str(tmp_path)]) == 0
+    record = json.loads(open(out).readline())
+    assert record["tools"] == TOOL_SCHEMAS and len(record["messages"]) == 1 + 2 * len(TWO_PART_SERIAL)
