@@ -163,3 +163,96 @@ def test_two_part_oracle_is_kept_with_full_declarations(tmp_path, capsys):
                                               "--env-sandbox-dir", str(tmp_path)]) == 0
     record = json.loads(open(out).readline())
     assert record["tools"] == TOOL_SCHEMAS and len(record["messages"]) == 1 + 2 * len(TWO_PART_SERIAL)
+
+
+def test_checkpoint_options_rule(monkeypatch, capsys):
+    """No flag: the checkpoint's value (an older checkpoint records none: full); a disagreeing flag wins, warned."""
+    import megatron_ext.training.checkpointing as checkpointing
+    from megatron_ext.env.arguments import checkpoint_agent_prompt
+
+    recorded = {}
+    monkeypatch.setattr(checkpointing, "checkpoint_args", lambda root, purpose: (f"{root}/iter_0000007", recorded))
+    for saved, flag, want, warned in ((None, None, "full", False), ("compact", None, "compact", False),
+                                      ("compact", "compact", "compact", False), ("compact", "full", "full", True),
+                                      (None, "compact", "compact", True)):
+        recorded.clear()
+        if saved:
+            recorded["env_tool_declarations"] = saved
+        args = argparse.Namespace(env_tool_declarations=flag)
+        lines = []
+        assert checkpoint_agent_prompt(args, "ck", "--agent local:ck", log=lines.append) == want
+        assert args.env_tool_declarations == want
+        err = capsys.readouterr().err
+        assert ("WARNING: --agent local:ck: --env-tool-declarations" in err) == warned, (saved, flag, err)
+        assert lines == ([] if flag else [f"--agent local:ck: --env-tool-declarations {want} (recorded in "
+                                          "ck/iter_0000007)"])
+
+
+@pytest.mark.slow  # ~85 s on the shared 2-core VM: an SFT step, a served checkpoint, two RL start-ups
+def test_checkpoint_records_tool_declarations_and_local_agent_applies(tmp_path, monkeypatch, capsys):
+    """pretrain_composer.py --sft from a fresh init on compact SFT data records compact in its checkpoint;
+    run_eval --agent local:CKPT without the flag declares the compact tools to the served model; rl_composer.py
+    --load of it with an explicit full warns, and the flag wins."""
+    import pretrain_composer
+    import rl_composer
+    from megatron_ext.env.arguments import checkpoint_agent_prompt
+    from megatron_ext.inference import server
+    from megatron_ext.training.checkpointing import checkpoint_args
+    from tests.unit.eval_fixtures import run_eval_main
+
+    tokenizer_dir = trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024)
+    suite, oracle = _oracle_suite(str(tmp_path))
+    data = str(tmp_path / "sft.jsonl")
+    assert load_tool("build_agent_sft").main(["--tasks", suite, "--oracle", oracle, "--output", data,
+                                              "--env-tool-declarations", "compact", "--env-sandbox-dir",
+                                              str(tmp_path)]) == 0
+    save = str(tmp_path / "ckpt")
+    assert pretrain_composer.main(["--model", "tiny", "--sft", "--data-path", data, "--tokenizer-model",
+                                   tokenizer_dir, "--split", "1,0,0", "--train-iters", "1", "--global-batch-size",
+                                   "1", "--micro-batch-size", "1", "--seq-length", "2048", "--max-position-embeddings", "2048",
+                                   "--save", save]) == 0
+    assert "--env-tool-declarations compact: as the --sft data declares its tools" in capsys.readouterr().out
+    assert checkpoint_args(save, "test")[1]["env_tool_declarations"] == "compact"
+
+    received = []
+
+    def recording(value, _parse=server._tools):
+        received.append(_parse(value))
+        return received[-1]
+
+    monkeypatch.setattr(server, "_tools", recording)
+    out = str(tmp_path / "run")
+    code = run_eval_main()(["--tasks", f"{suite}#add-a", "--agent", f"local:{save}", "--serve-arg=--tokenizer-model",
+                            f"--serve-arg={tokenizer_dir}", "--serve-arg=--inference-max-seq-length",
+                            "--serve-arg=4096", "--max-tokens", "4", "--max-turns", "2", "--out", out,
+                            "--env-sandbox-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert f"--agent local:{save}: --env-tool-declarations compact (recorded in" in err
+    assert received and all(tools == declarations(TOOL_SCHEMAS, "compact") for tools in received)
+
+    args = argparse.Namespace(env_tool_declarations="full")
+    assert checkpoint_agent_prompt(args, save, "rl_composer.py --load") == "full"
+    assert "WARNING: rl_composer.py --load: --env-tool-declarations full is given, but" in capsys.readouterr().err
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def trainer(args, cfg, tasks, make_env, **kwargs):
+        seen["declarations"] = make_env.config.tool_declarations
+        raise Stop
+
+    monkeypatch.setattr(rl_composer, "RLTrainer", trainer)
+    base = ["--model", "tiny", "--rl-env", "coding", "--rl-prompts", suite, "--tokenizer-model", tokenizer_dir,
+            "--load", save, "--finetune", "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--grpo-max-response-length", "64", "--env-sandbox-dir", str(tmp_path)]
+    for flags, want in (([], "compact"), (["--env-tool-declarations", "full"], "full")):
+        with pytest.raises(Stop):
+            rl_composer.main(base + flags)
+        assert seen["declarations"] == want
+    from megatron_ext.training.initialize import destroy
+
+    destroy()
+    assert "WARNING: rl_composer.py --load: --env-tool-declarations full is given" in capsys.readouterr().err
