@@ -253,6 +253,7 @@ def main(argv=None) -> int:
         limits = {"max_turns": args.max_turns, "episode_timeout_s": args.episode_timeout_s}
         manifest = {"suite_spec": args.tasks, "agent": args.agent, "model": args.model,
                     "agent_mode": args.agent_mode, "swarm": swarm_manifest(args),
+                    "tool_declarations": config.tool_declarations,
                     "task_ids": [t.id for t in tasks], "passes": args.passes,
                     "limits": limits if any(v is not None for v in limits.values()) else None,
                     "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -50,8 +50,8 @@ EPISODES = "episodes"
 
 
 # what a manifest written before a key existed meant by leaving it out
-PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None}
-PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits")
+PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None, "tool_declarations": "full"}
+PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits", "tool_declarations")
 NOT_STARTED = (126, 127)  # /bin/sh: the test command is not executable / not found
 
 
@@ -99,7 +99,8 @@ class RunDir:
             if old.get(key, PINNED_DEFAULTS.get(key)) != manifest.get(key, PINNED_DEFAULTS.get(key)):
                 raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
                                "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*/--filter/"
-                               "--task-ids/--max-turns/--episode-timeout-s, or choose another --out")
+                               "--task-ids/--max-turns/--episode-timeout-s/--env-tool-declarations, or choose "
+                               "another --out")
         return old
 
     def start(self, manifest: dict) -> int:

@@ -256,3 +256,29 @@ def test_checkpoint_records_tool_declarations_and_local_agent_applies(tmp_path, 
 
     destroy()
     assert "WARNING: rl_composer.py --load: --env-tool-declarations full is given" in capsys.readouterr().err
+
+
+def test_run_eval_declares_compact_and_pins_it(tmp_path, capsys):
+    """run_eval with the flag: episodes (a script agent) count the compact declarations in their prompts, run.json
+    pins the option, and resuming the run with the other one is refused."""
+    from megatron_ext.eval.harness import MANIFEST
+    from tests.unit.eval_fixtures import oracle_dir, run_eval_main
+
+    suite, oracle = make_suite(str(tmp_path), ids=("add-a",)), oracle_dir(str(tmp_path), ids=("add-a",))
+    runs = {}
+    for kind in ("compact", "full"):
+        out = str(tmp_path / kind)
+        assert run_eval_main()(["--tasks", suite, "--agent", f"script:{oracle}", "--out", out,
+                                "--env-tool-declarations", kind, "--env-sandbox-dir", str(tmp_path)]) == 0
+        runs[kind] = json.loads(open(os.path.join(out, "episodes.jsonl")).readline())
+        assert json.load(open(os.path.join(out, MANIFEST)))["tool_declarations"] == kind
+    assert runs["compact"]["grading"]["correct"] and runs["full"]["grading"]["correct"]
+    turns = runs["full"]["counts"]["turns"]
+    saved = runs["full"]["usage"]["input_tokens"] + runs["full"]["usage"]["cached_input_tokens"] - \
+        runs["compact"]["usage"]["input_tokens"] - runs["compact"]["usage"]["cached_input_tokens"]
+    declared = len(json.dumps(TOOL_SCHEMAS)) - len(json.dumps(declarations(TOOL_SCHEMAS, "compact")))
+    assert saved == pytest.approx(turns * declared / 4, rel=0.05)  # 4 bytes a token without a tokenizer
+    capsys.readouterr()
+    assert run_eval_main()(["--tasks", suite, "--agent", f"script:{oracle}", "--out", str(tmp_path / "compact"),
+                            "--env-sandbox-dir", str(tmp_path)]) == 2
+    assert "holds a run with another tool_declarations (compact)" in capsys.readouterr().err
