@@ -188,7 +188,7 @@ def test_checkpoint_options_rule(monkeypatch, capsys):
                                           "ck/iter_0000007)"])
 
 
-@pytest.mark.slow  # ~85 s on the shared 2-core VM: an SFT step, a served checkpoint, two RL start-ups
+@pytest.mark.slow  # 50-85 s on the shared 2-core VM: an SFT step, a served checkpoint, two RL start-ups
 def test_checkpoint_records_tool_declarations_and_local_agent_applies(tmp_path, monkeypatch, capsys):
     """pretrain_composer.py --sft from a fresh init on compact SFT data records compact in its checkpoint;
     run_eval --agent local:CKPT without the flag declares the compact tools to the served model; rl_composer.py
