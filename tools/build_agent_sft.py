@@ -8,9 +8,9 @@ id>.json in the ACTIONS.json format that run_eval's script:DIR agent replays. Ea
 (megatron_ext/env/episode.py, the --env-* sandbox limits), so the tool results in the data are the real
 observations RL and evaluation show; the episode is graded in a fresh sandbox with the hidden tests and kept only
 when it finished, every call was valid and the grade is correct. Every kept episode is one JSON line
-{"id", "messages", "tools"}: the transcript up to the model's last turn (tool calls in the OpenAI shape, rendered in the Kimi-K2 format by
-megatron_ext/data/sft.py, tool results as tool messages) and the declared tools, exactly what
-`pretrain_composer.py --sft --data-path` reads and what the RL environment's token sequences hold
+{"id", "messages", "tools"}: the transcript up to the model's last turn (tool calls in the OpenAI shape, rendered
+in the Kimi-K2 format by megatron_ext/data/sft.py, tool results as tool messages) and the declared tools, exactly
+what `pretrain_composer.py --sft --data-path` reads and what the RL environment's token sequences hold
 (tests/unit/test_agent_sft.py checks them token for token). Dropped tasks are counted by reason on stderr and in
 OUTPUT.report.json. Exit status: 0 when at least one episode was kept, 1 when none was, 2 on bad input.
 """

@@ -209,7 +209,8 @@ def test_checkpoint_records_tool_declarations_and_local_agent_applies(tmp_path, 
     save = str(tmp_path / "ckpt")
     assert pretrain_composer.main(["--model", "tiny", "--sft", "--data-path", data, "--tokenizer-model",
                                    tokenizer_dir, "--split", "1,0,0", "--train-iters", "1", "--global-batch-size",
-                                   "1", "--micro-batch-size", "1", "--seq-length", "2048", "--max-position-embeddings", "2048",
+                                   "1", "--micro-batch-size", "1", "--seq-length", "2048",
+                                   "--max-position-embeddings", "2048",
                                    "--save", save]) == 0
     assert "--env-tool-declarations compact: as the --sft data declares its tools" in capsys.readouterr().out
     assert checkpoint_args(save, "test")[1]["env_tool_declarations"] == "compact"
