@@ -21,6 +21,7 @@ from megatron_ext.arguments import ArgumentError, parse_args, require_dataset
 from megatron_ext.data.indexed import DataError
 from megatron_ext.data.provider import build_data
 from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.env.arguments import add_agent_prompt_args, sft_agent_prompt
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.training.checkpointing import CheckpointError, check_save_target
 from megatron_ext.training.initialize import destroy, initialize_distributed
@@ -31,8 +32,9 @@ from megatron_ext.training.loop import TrainingAborted, pretrain, print_args
 
 def main(argv=None):
     try:
-        args = parse_args(argv, description=__doc__)
-    except ArgumentError as e:
+        args = parse_args(argv, description=__doc__, extra=(add_agent_prompt_args,))
+        sft_agent_prompt(args)
+    except (ArgumentError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:  # the resolved configuration (flags and architecture) and the sizes; nothing is built

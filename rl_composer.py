@@ -30,7 +30,7 @@ import torch
 
 import megatron_ext  # noqa: F401  (installs the CPU bridges before Megatron-Core is used)
 from megatron_ext.arguments import ArgumentError, parse_args
-from megatron_ext.env.arguments import add_env_args, add_swarm_args
+from megatron_ext.env.arguments import add_env_args, add_swarm_args, checkpoint_agent_prompt
 from megatron_ext.models.provider import print_parameter_counts
 from megatron_ext.rl.arguments import add_rl_args, fleet_config, loss_config, sampling_config, validate_rl_args
 from megatron_ext.rl.env import (DEFAULT_DIGIT_WEIGHTS, DIGIT_REWARDS, VOCAB, DigitEnv, Rubric, parse_weights,
@@ -39,7 +39,7 @@ from megatron_ext.rl.coding import coding_data_provider
 from megatron_ext.rl.orchestrator import WorkerFailure
 from megatron_ext.rl.swarm import swarm_data_provider
 from megatron_ext.rl.trainer import RLConfig, RLTrainer
-from megatron_ext.training.checkpointing import CheckpointError
+from megatron_ext.training.checkpointing import CheckpointError, read_tracker
 from megatron_ext.training.initialize import destroy, initialize_distributed
 from megatron_ext.training.loop import TrainingAborted
 
@@ -98,9 +98,11 @@ def main(argv=None):
             raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the digit tasks' {len(VOCAB)} tokens")
         if args.arch.mtp_num_layers:
             args.mtp_detach_trunk = True  # the recipe: MTP learns by self-distillation, never moves the policy
+        if args.load and args.rl_env in ("coding", "swarm") and read_tracker(args.load) is not None:
+            checkpoint_agent_prompt(args, args.load, "rl_composer.py --load")
         tasks, eval_tasks, make_env = data_provider(args)
         cfg = rl_config(args, tasks, eval_tasks, make_env)
-    except (ArgumentError, ValueError) as e:
+    except (ArgumentError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     initialize_distributed(args)

@@ -26,12 +26,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.env.agents import AgentError, make_agent  # noqa: E402
-from megatron_ext.env.arguments import add_env_args, add_swarm_args, episode_config, swarm_config  # noqa: E402
+from megatron_ext.env.arguments import (add_env_args, add_swarm_args, checkpoint_agent_prompt,  # noqa: E402
+                                       episode_config, swarm_config)
 from megatron_ext.env.episode import run_episode  # noqa: E402
 from megatron_ext.env.grading import GradingError  # noqa: E402
 from megatron_ext.env.sandbox import SandboxError  # noqa: E402
 from megatron_ext.env.swarm import make_subagent_policy, run_swarm_episode  # noqa: E402
 from megatron_ext.env.tasks import TaskError, load_task  # noqa: E402
+from megatron_ext.training.checkpointing import CheckpointError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -51,6 +53,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
         task = load_task(args.task)
+        if args.agent.startswith("local:"):
+            checkpoint_agent_prompt(args, args.agent[len("local:"):], f"--agent {args.agent}",
+                                    log=lambda line: print(line, file=sys.stderr, flush=True))
         config = episode_config(args)
         config.sandbox.limits.wall_s = task.command_timeout_s
         kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "model": args.model}
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
             if policy is not None:  # a sub-agent server already started
                 policy.close()
             raise
-    except (TaskError, AgentError, ValueError) as e:
+    except (TaskError, AgentError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -44,7 +44,8 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 
 from megatron_ext.env.agents import AgentError  # noqa: E402
-from megatron_ext.env.arguments import add_env_args, add_swarm_args, episode_config, swarm_config  # noqa: E402
+from megatron_ext.env.arguments import (add_env_args, add_swarm_args, checkpoint_agent_prompt,  # noqa: E402
+                                       episode_config, swarm_config)
 from megatron_ext.env.tasks import TaskError  # noqa: E402
 from megatron_ext.eval.agents import endpoint_factory, make_factory, swarm_setup  # noqa: E402
 from megatron_ext.eval.harness import RunDir, RunError, run_suite, token_counter  # noqa: E402
@@ -128,6 +129,10 @@ def serve_local(checkpoint: str, serve_args: list):
         destroy()
 
     return f"http://127.0.0.1:{httpd.server_address[1]}", stop
+
+
+def _stderr(line: str):
+    print(line, file=sys.stderr, flush=True)
 
 
 def _flag_value(argv: list, flag: str):
@@ -237,6 +242,8 @@ def main(argv=None) -> int:
         tasks = selected(suite, args)
         if args.max_turns is not None:
             tasks = [dataclasses.replace(t, max_turns=args.max_turns) for t in tasks]
+        if args.agent.startswith("local:"):
+            checkpoint_agent_prompt(args, args.agent[len("local:"):], f"--agent {args.agent}", log=_stderr)
         config = episode_config(args)
         tokenizer = args.count_tokenizer or (_flag_value(args.serve_arg, "--tokenizer-model")
                                              if args.agent.startswith("local:") else None)
@@ -246,6 +253,7 @@ def main(argv=None) -> int:
         limits = {"max_turns": args.max_turns, "episode_timeout_s": args.episode_timeout_s}
         manifest = {"suite_spec": args.tasks, "agent": args.agent, "model": args.model,
                     "agent_mode": args.agent_mode, "swarm": swarm_manifest(args),
+                    "tool_declarations": config.tool_declarations,
                     "task_ids": [t.id for t in tasks], "passes": args.passes,
                     "limits": limits if any(v is not None for v in limits.values()) else None,
                     "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -12,6 +12,7 @@ import sys
 from megatron_ext.env.episode import EpisodeConfig
 from megatron_ext.env.rewards import WeightFile, override_weights
 from megatron_ext.env.sandbox import BubblewrapConfig, Limits, sandbox_line
+from megatron_ext.env.tools import TOOL_DECLARATIONS, declared_kind
 
 
 def add_env_args(parser: argparse.ArgumentParser):
@@ -37,6 +38,69 @@ def add_env_args(parser: argparse.ArgumentParser):
                         "says which hold")
     g.add_argument("--env-output-kb", type=int, default=1024, help="captured output of one command, in KiB")
     g.add_argument("--env-sandbox-dir", default=None, help="host folder for sandbox copies (default: temp dir)")
+    _add_agent_prompt_flags(g)
+
+
+def _add_agent_prompt_flags(group):
+    group.add_argument("--env-tool-declarations", default=None, choices=TOOL_DECLARATIONS,
+                       help="how the tools are declared to the model: full descriptions, or compact (a few words "
+                            "each; the same names, parameters, types and required lists). Default: what the "
+                            "checkpoint (--load, local:CKPT) records, else full; recorded in saved checkpoints "
+                            "(docs/agent-prompt.md)")
+
+
+def add_agent_prompt_args(parser: argparse.ArgumentParser):
+    """pretrain_composer.py: the agent-prompt options its --sft data was rendered with, recorded in the checkpoint
+    so that RL, tools/run_eval.py and tools/run_episode.py render episodes the way the model was trained."""
+    _add_agent_prompt_flags(parser.add_argument_group("agent prompt (--sft; recorded in the checkpoint)"))
+
+
+def sft_agent_prompt(args: argparse.Namespace, log=print):
+    """--sft: the tool declarations the chat data declares (tools/build_agent_sft.py writes them into every line)
+    decide --env-tool-declarations when it is not given; a flag that contradicts the data is an error (a checkpoint
+    recording one form while trained on the other would make every later episode render the wrong one)."""
+    if not getattr(args, "sft", False) or not args.data_path:
+        return
+    from megatron_ext.data.sft import iter_conversations
+
+    found = {}
+    for number, record, _ in iter_conversations(args.data_path[0]):
+        kind = declared_kind(record.get("tools")) if record else None
+        if kind is not None:
+            found.setdefault(kind, number)
+    if len(found) > 1:
+        raise ValueError(f"--data-path {args.data_path[0]}: line {found['full']} declares the full tools and line "
+                         f"{found['compact']} the compact ones; build the data with one --env-tool-declarations")
+    if not found:
+        return
+    kind = next(iter(found))
+    if args.env_tool_declarations is None:
+        args.env_tool_declarations = kind
+        log(f"--env-tool-declarations {kind}: as the --sft data declares its tools (recorded in the checkpoint)")
+    elif args.env_tool_declarations != kind:
+        raise ValueError(f"--env-tool-declarations {args.env_tool_declarations}, but --data-path "
+                         f"{args.data_path[0]} declares the {kind} tools (line {found[kind]}); drop the flag or "
+                         f"rebuild the data with tools/build_agent_sft.py --env-tool-declarations "
+                         f"{args.env_tool_declarations}")
+
+
+def checkpoint_agent_prompt(args: argparse.Namespace, checkpoint: str, where: str, log=print) -> str:
+    """Apply the agent-prompt options a checkpoint records: a flag not given takes the checkpoint's value (older
+    checkpoints record none: full); an explicit flag that disagrees wins, with a warning that the model is
+    prompted unlike its training. Returns the tool declarations in force. CheckpointError when unreadable."""
+    from megatron_ext.training.checkpointing import checkpoint_args
+
+    ckpt, recorded = checkpoint_args(checkpoint, where)
+    trained = recorded.get("env_tool_declarations") or "full"
+    given = args.env_tool_declarations
+    if given is None:
+        args.env_tool_declarations = trained
+        log(f"{where}: --env-tool-declarations {trained} (recorded in {ckpt})")
+    elif given != trained:
+        print(f"WARNING: {where}: --env-tool-declarations {given} is given, but {ckpt} was trained with "
+              f"{trained}: episodes declare their tools unlike the model's training (the flag wins; drop it to "
+              "use the checkpoint's)", file=sys.stderr, flush=True)
+    return args.env_tool_declarations
 
 
 def episode_config(args: argparse.Namespace, step: int = 0, check_sandbox: bool = True) -> EpisodeConfig:
@@ -60,7 +124,8 @@ def episode_config(args: argparse.Namespace, step: int = 0, check_sandbox: bool 
                                allow_weaker=args.env_allow_weaker_sandbox)
     if check_sandbox:
         print(sandbox_line(sandbox), file=sys.stderr, flush=True)
-    return EpisodeConfig(sandbox=sandbox, weights=weights, summarize_at=args.env_summarize_at)
+    return EpisodeConfig(sandbox=sandbox, weights=weights, summarize_at=args.env_summarize_at,
+                         tool_declarations=args.env_tool_declarations or "full")
 
 
 def add_swarm_args(parser: argparse.ArgumentParser):

@@ -35,7 +35,7 @@ from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_ru
 from megatron_ext.env.environments import sandbox_for
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
 from megatron_ext.env.tasks import Task
-from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, truncate
+from megatron_ext.env.tools import TOOL_SCHEMAS, Toolbox, ToolLimits, declarations, truncate
 from megatron_ext.env.workspace import (TRUSTED, WorkspaceError, _restore, _text, changed_paths,  # noqa: F401
                                         clear_path, diff_lines, overlay, snapshot)
 
@@ -77,6 +77,7 @@ class EpisodeConfig:
     summary_chars: int = 8000                            # longest summary carried into the next segment
     grading_output_bytes: int = 16 << 20
     grading_cache_dir: Optional[str] = None              # expected test ids collected per task (also in memory)
+    tool_declarations: str = "full"                      # "compact": short tool descriptions (tools.declarations)
 
 
 @dataclass
@@ -360,7 +361,8 @@ class Session:
 
 def run_episode(task: Task, agent: Agent, config: Optional[EpisodeConfig] = None) -> EpisodeResult:
     """The agent loop: ask the agent, run its calls, until finish, a reply without calls or max_turns."""
-    return drive(Session(task, config), agent, TOOL_SCHEMAS)
+    session = Session(task, config)
+    return drive(session, agent, declarations(TOOL_SCHEMAS, session.config.tool_declarations))
 
 
 def drive(session: Session, agent: Agent, tools: list[dict]) -> EpisodeResult:

@@ -63,7 +63,7 @@ from megatron_ext.env.agents import AgentError, EndpointAgent, LocalAgent, Scrip
 from megatron_ext.env.episode import (Agent, ContextExceeded, EpisodeConfig, EpisodeResult, Session, _restore, _text,
                                       changed_paths, drive, snapshot)
 from megatron_ext.env.tasks import Task
-from megatron_ext.env.tools import SCHEMAS, TOOL_SCHEMAS, Toolbox, ToolError, _fn, truncate
+from megatron_ext.env.tools import SCHEMAS, TOOL_SCHEMAS, Toolbox, ToolError, _fn, declarations, truncate
 
 SWARM_SYSTEM_PROMPT = (
     "You are the orchestrator of a team of coding agents. The repository is at /workspace; there is no network. "
@@ -81,14 +81,15 @@ _NAMES = {"type": "array", "items": _S}
 SWARM_ONLY_SCHEMAS = [
     _fn("create_subagent", "Define a sub-agent: a unique name, its instructions (its role) and optionally the coding "
         "tools it may use (default: all; finish is always allowed).",
-        {"name": _S, "instructions": _S, "tools": _NAMES}, ["name", "instructions"]),
+        {"name": _S, "instructions": _S, "tools": _NAMES}, ["name", "instructions"], "Define a sub-agent."),
     _fn("assign_task", "Start a sub-agent on a task, on a copy of the current workspace; returns at once (sub-agents "
         "run concurrently). Optional timeout_s bounds its wall-clock time.",
-        {"subagent": _S, "task": _S, "timeout_s": _I}, ["subagent", "task"]),
+        {"subagent": _S, "task": _S, "timeout_s": _I}, ["subagent", "task"], "Start a sub-agent on a task."),
     _fn("wait", "Wait until the given sub-agents (default: all running) end, or timeout_s passes; returns each "
-        "one's report: status, steps, final message and changed files.", {"subagents": _NAMES, "timeout_s": _I}, []),
+        "one's report: status, steps, final message and changed files.", {"subagents": _NAMES, "timeout_s": _I}, [],
+        "Wait for sub-agents' reports."),
     _fn("merge", "Apply a collected sub-agent's edits to the workspace; files both of you changed are conflicts, "
-        "reported and left as they are.", {"subagent": _S}, ["subagent"]),
+        "reported and left as they are.", {"subagent": _S}, ["subagent"], "Apply a sub-agent's edits."),
 ]
 SWARM_TOOL_SCHEMAS = TOOL_SCHEMAS + SWARM_ONLY_SCHEMAS
 SWARM_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in SWARM_TOOL_SCHEMAS}
@@ -542,7 +543,8 @@ class Swarm:
         status, error = None, None
         try:
             agent = self.policy.agent(run.spec.name)
-            tools = [t for t in TOOL_SCHEMAS if t["function"]["name"] in run.spec.tools]
+            tools = declarations([t for t in TOOL_SCHEMAS if t["function"]["name"] in run.spec.tools],
+                                 session.config.tool_declarations)
             while not session.done and not run.done.is_set() and not self.closed:
                 if time.monotonic() >= run.deadline:
                     status = "timeout"
@@ -726,4 +728,5 @@ class SwarmSession(Session):
 def run_swarm_episode(task: Task, orchestrator: Agent, policy: SubAgentPolicy, config: Optional[EpisodeConfig] = None,
                       swarm: Optional[SwarmConfig] = None) -> SwarmResult:
     """env/episode.py's agent loop for an orchestrator (SWARM_TOOL_SCHEMAS) with sub-agents from `policy`."""
-    return drive(SwarmSession(task, config, swarm or SwarmConfig(), policy), orchestrator, SWARM_TOOL_SCHEMAS)
+    session = SwarmSession(task, config, swarm or SwarmConfig(), policy)
+    return drive(session, orchestrator, declarations(SWARM_TOOL_SCHEMAS, session.config.tool_declarations))

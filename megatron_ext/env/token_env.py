@@ -21,7 +21,7 @@ from megatron_ext.data.sft import IM_END, parse_assistant, render_chat
 from megatron_ext.env.episode import EpisodeConfig, EpisodeResult, Session
 from megatron_ext.env.rewards import Score
 from megatron_ext.env.tasks import Task, task_from_dict
-from megatron_ext.env.tools import TOOL_SCHEMAS
+from megatron_ext.env.tools import TOOL_SCHEMAS, declarations
 
 
 @dataclass
@@ -56,7 +56,8 @@ class CodingEnv:
         return Session(task, self.config)
 
     def _prompt(self) -> list[int]:
-        return render_chat(self.tokenizer, self.session.messages, tools=self.tools, add_generation_prompt=True).ids
+        tools = declarations(self.tools, self.config.tool_declarations)
+        return render_chat(self.tokenizer, self.session.messages, tools=tools, add_generation_prompt=True).ids
 
     def step(self, model_tokens: list[int]) -> StepResult:
         if self.session is None or self.session.done:

@@ -21,30 +21,66 @@ from typing import ClassVar, Optional
 from megatron_ext.env.sandbox import Sandbox, SandboxError
 
 
-def _fn(name: str, description: str, properties: dict, required: list) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+TOOL_DECLARATIONS = ("full", "compact")
+_SHORT: dict[str, str] = {}   # tool name -> its compact description (every _fn schema registers one)
+_FULL: dict[str, dict] = {}    # tool name -> its full declaration
+
+
+def _fn(name: str, description: str, properties: dict, required: list, short: str) -> dict:
+    _SHORT[name] = short
+    _FULL[name] = {"type": "function", "function": {"name": name, "description": description, "parameters": {
         "type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
+    return _FULL[name]
+
+
+def declarations(schemas: list[dict], kind: str = "full") -> list[dict]:
+    """The tool list an episode declares to the model. "compact" swaps each description for a few words and leaves
+    out the constant ``"additionalProperties": false``, so a small model's context holds a multi-turn episode
+    (docs/agent-prompt.md has the token counts); names, parameter names, types, enums and required lists are the
+    same, and calls are still validated by the full schemas (`SCHEMAS`), extra arguments refused as before."""
+    if kind == "full":
+        return schemas
+    if kind != "compact":
+        raise ValueError(f"tool declarations must be one of {TOOL_DECLARATIONS}, got {kind!r}")
+    out = []
+    for t in schemas:
+        fn = t["function"]
+        parameters = {k: v for k, v in fn["parameters"].items() if k != "additionalProperties"}
+        out.append({**t, "function": {**fn, "description": _SHORT[fn["name"]], "parameters": parameters}})
+    return out
+
+
+def declared_kind(tools) -> str | None:
+    """ "full" or "compact" when `tools` is a declaration list of known tools in that form, else None."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    try:
+        full = [_FULL[t["function"]["name"]] for t in tools]
+    except (KeyError, TypeError):
+        return None
+    return next((kind for kind in TOOL_DECLARATIONS if tools == declarations(full, kind)), None)
 
 
 _S, _I, _B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 TOOL_SCHEMAS = [
     _fn("read_file", "Read a text file, with line numbers; optionally only lines start_line..end_line (1-based).",
-        {"path": _S, "start_line": _I, "end_line": _I}, ["path"]),
+        {"path": _S, "start_line": _I, "end_line": _I}, ["path"], "Read a file."),
     _fn("list_dir", "List a directory (default: the workspace root) to the given depth (default 1).",
-        {"path": _S, "depth": _I}, []),
+        {"path": _S, "depth": _I}, [], "List a directory."),
     _fn("grep", "Search files for a regular expression (Perl syntax); optional globs such as '*.py' restrict "
         "the files searched.", {"pattern": _S, "path": _S, "globs": {"type": "array", "items": _S},
-                                "ignore_case": _B}, ["pattern"]),
+                                "ignore_case": _B}, ["pattern"], "Search files by regex."),
     _fn("edit_file", "Replace the exact text old_text, which must occur exactly once in the file, by new_text.",
-        {"path": _S, "old_text": _S, "new_text": _S}, ["path", "old_text", "new_text"]),
+        {"path": _S, "old_text": _S, "new_text": _S}, ["path", "old_text", "new_text"], "Replace unique old_text."),
     _fn("write_file", "Create or overwrite a file with the given content.", {"path": _S, "content": _S},
-        ["path", "content"]),
+        ["path", "content"], "Write a file."),
     _fn("run_command", "Run a shell command in the workspace (no network); returns its output and exit code.",
-        {"command": _S, "timeout_s": _I}, ["command"]),
+        {"command": _S, "timeout_s": _I}, ["command"], "Run a shell command."),
     _fn("todo", "Keep a todo list: action 'add' (with item), 'complete' (with id) or 'list'.",
-        {"action": {"type": "string", "enum": ["add", "complete", "list"]}, "item": _S, "id": _I}, ["action"]),
+        {"action": {"type": "string", "enum": ["add", "complete", "list"]}, "item": _S, "id": _I}, ["action"],
+        "Todo list: add, complete, list."),
     _fn("finish", "End the episode with a short message: what you changed and how you checked it.",
-        {"message": _S}, ["message"]),
+        {"message": _S}, ["message"], "End with a summary."),
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 EDITING_TOOLS = ("edit_file", "write_file")

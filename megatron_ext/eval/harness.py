@@ -41,7 +41,7 @@ from typing import Callable, Optional
 from megatron_ext.atomic import atomic_output
 from megatron_ext.env.episode import EpisodeConfig, approx_tokens, run_episode
 from megatron_ext.env.tasks import Task
-from megatron_ext.env.tools import TOOL_SCHEMAS
+from megatron_ext.env.tools import TOOL_SCHEMAS, declarations
 from megatron_ext.eval.agents import AgentFactory, SwarmSetup
 from megatron_ext.eval.usage import episode_usage
 
@@ -50,8 +50,8 @@ EPISODES = "episodes"
 
 
 # what a manifest written before a key existed meant by leaving it out
-PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None}
-PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits")
+PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None, "tool_declarations": "full"}
+PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits", "tool_declarations")
 NOT_STARTED = (126, 127)  # /bin/sh: the test command is not executable / not found
 
 
@@ -99,7 +99,8 @@ class RunDir:
             if old.get(key, PINNED_DEFAULTS.get(key)) != manifest.get(key, PINNED_DEFAULTS.get(key)):
                 raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
                                "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*/--filter/"
-                               "--task-ids/--max-turns/--episode-timeout-s, or choose another --out")
+                               "--task-ids/--max-turns/--episode-timeout-s/--env-tool-declarations, or choose "
+                               "another --out")
         return old
 
     def start(self, manifest: dict) -> int:
@@ -211,17 +212,18 @@ class _WatchedPolicy:
         pass  # the run closes its policies once (SwarmSetup.close)
 
 
-def swarm_usage(record: dict, count) -> dict:
+def swarm_usage(record: dict, count, tool_declarations: str = "full") -> dict:
     """Tokens of a swarm episode by role: the orchestrator (with the swarm tools) and every sub-agent assignment
     (with the tools it was allowed)."""
     from megatron_ext.env.swarm import SWARM_TOOL_SCHEMAS
 
-    orchestrator = episode_usage(record["summarized_segments"] + [record["transcript"]], SWARM_TOOL_SCHEMAS, count)
+    orchestrator = episode_usage(record["summarized_segments"] + [record["transcript"]],
+                                 declarations(SWARM_TOOL_SCHEMAS, tool_declarations), count)
     subagents = dict.fromkeys(orchestrator, 0)
     for run in record.get("subagents", []):
         allowed = set(run.get("tools") or [t["function"]["name"] for t in TOOL_SCHEMAS])
-        usage = episode_usage([run["transcript"]], [t for t in TOOL_SCHEMAS if t["function"]["name"] in allowed],
-                              count)
+        usage = episode_usage([run["transcript"]], declarations(
+            [t for t in TOOL_SCHEMAS if t["function"]["name"] in allowed], tool_declarations), count)
         for key, value in usage.items():
             subagents[key] += value
     return {"orchestrator": orchestrator, "subagents": subagents}
@@ -252,9 +254,10 @@ def run_one(task: Task, index: int, factory: AgentFactory, config: EpisodeConfig
     if (result.error or "").startswith(EpisodeTimeout.__name__ + ":"):
         record["status"] = "episode_timeout"
     if swarm is None:
-        record["usage"] = episode_usage(result.segments + [result.messages], TOOL_SCHEMAS, config.count_tokens)
+        record["usage"] = episode_usage(result.segments + [result.messages],
+                                        declarations(TOOL_SCHEMAS, config.tool_declarations), config.count_tokens)
     else:
-        record["usage_by_role"] = swarm_usage(record, config.count_tokens)
+        record["usage_by_role"] = swarm_usage(record, config.count_tokens, config.tool_declarations)
         record["usage"] = {k: sum(u[k] for u in record["usage_by_role"].values())
                            for k in record["usage_by_role"]["orchestrator"]}
     record["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

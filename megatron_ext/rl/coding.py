@@ -24,7 +24,7 @@ from megatron_ext.env.episode import SYSTEM_PROMPT
 from megatron_ext.env.rewards import WeightFile, override_weights
 from megatron_ext.env.tasks import load_tasks
 from megatron_ext.env.token_env import CodingEnv
-from megatron_ext.env.tools import TOOL_SCHEMAS
+from megatron_ext.env.tools import TOOL_SCHEMAS, declarations
 from megatron_ext.rl.types import Reward
 
 
@@ -84,7 +84,8 @@ class CodingEnvFactory:
         """Tokens of a task's first prompt (what CodingEnv.reset renders), without starting a sandbox."""
         messages = [{"role": "system", "content": self.system_prompt},
                     {"role": "user", "content": task["instruction"]}]
-        return len(render_chat(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True).ids)
+        tools = declarations(self.tools, self.config.tool_declarations)
+        return len(render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True).ids)
 
     def __call__(self) -> CodingRLEnv:
         return CodingRLEnv(CodingEnv(self.tokenizer, self.config))

@@ -381,18 +381,27 @@ def _write_manifest(ckpt: str):
         os.fsync(f.fileno())
 
 
+def checkpoint_args(root: str, purpose: str) -> tuple[str, dict]:
+    """(checkpoint directory, the flags recorded in it) of the latest checkpoint under `root`; `purpose` (a flag)
+    begins the error."""
+    tag = read_tracker(root)
+    if tag is None:
+        raise CheckpointError(f"{purpose}: no checkpoint under {root} ({TRACKER} missing)")
+    ckpt = checkpoint_dir(root, tag)
+    verify_checkpoint(ckpt)
+    try:
+        return ckpt, torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]
+    except Exception as e:
+        raise CheckpointError(f"cannot read the flags recorded in {ckpt}: {e}") from e
+
+
 def checkpoint_arch(root: str):
     """The architecture recorded in the latest checkpoint under `root` (for --use-checkpoint-args)."""
     from megatron_ext.models.presets import ModelPreset
 
-    tag = read_tracker(root)
-    if tag is None:
-        raise CheckpointError(f"--use-checkpoint-args: no checkpoint under {root} ({TRACKER} missing)")
-    ckpt = checkpoint_dir(root, tag)
-    verify_checkpoint(ckpt)
+    ckpt, recorded = checkpoint_args(root, "--use-checkpoint-args")
     try:
-        arch = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["args"]["arch"]
-        return ModelPreset(**arch)
+        return ModelPreset(**recorded["arch"])
     except Exception as e:
         raise CheckpointError(f"cannot read the architecture recorded in {ckpt}: {e}") from e
 

@@ -1,0 +1,119 @@
+"""SFT data from oracle trajectories: each task's oracle played through the real episode loop in the sandbox.
+
+    python tools/build_agent_sft.py --tasks DIR/train.jsonl --oracle DIR/oracle --output data/agent_sft.jsonl \
+        --env-tool-declarations compact --concurrency 2
+
+--tasks is a suite (a .json/.jsonl task file, a directory of them, builtin:NAME); --oracle DIR holds DIR/<task
+id>.json in the ACTIONS.json format that run_eval's script:DIR agent replays. Each oracle runs as an episode
+(megatron_ext/env/episode.py, the --env-* sandbox limits), so the tool results in the data are the real
+observations RL and evaluation show; the episode is graded in a fresh sandbox with the hidden tests and kept only
+when it finished, every call was valid and the grade is correct. Every kept episode is one JSON line
+{"id", "messages", "tools"}: the transcript up to the model's last turn (tool calls in the OpenAI shape, rendered
+in the Kimi-K2 format by megatron_ext/data/sft.py, tool results as tool messages) and the declared tools, exactly
+what `pretrain_composer.py --sft --data-path` reads and what the RL environment's token sequences hold
+(tests/unit/test_agent_sft.py checks them token for token). Dropped tasks are counted by reason on stderr and in
+OUTPUT.report.json. Exit status: 0 when at least one episode was kept, 1 when none was, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.atomic import atomic_output  # noqa: E402
+from megatron_ext.env.agents import AgentError, ScriptAgent, load_actions  # noqa: E402
+from megatron_ext.env.arguments import add_env_args, episode_config  # noqa: E402
+from megatron_ext.env.episode import EpisodeConfig, Session, drive  # noqa: E402
+from megatron_ext.env.tasks import Task, TaskError  # noqa: E402
+from megatron_ext.env.tools import TOOL_SCHEMAS, declarations  # noqa: E402
+from megatron_ext.eval.harness import task_config  # noqa: E402
+from megatron_ext.eval.tasks import load_suite  # noqa: E402
+
+
+def oracle_episode(task: Task, actions: list, config: EpisodeConfig) -> tuple[dict | None, str | None]:
+    """(the SFT record, None) for an oracle episode graded correct, else (None, why it is dropped)."""
+    tools = declarations(TOOL_SCHEMAS, config.tool_declarations)
+    try:
+        result = drive(Session(task, task_config(config, task)), ScriptAgent(actions), tools)
+    except Exception as e:  # a task whose sandbox or grading cannot run is dropped, named, not the whole build
+        return None, f"episode failed ({type(e).__name__}: {str(e)[:200]})"
+    if result.status != "finished":
+        return None, f"status {result.status}"
+    invalid = [c.name for c in result.calls if not c.valid]
+    if invalid:
+        return None, f"invalid tool calls ({', '.join(invalid)})"
+    if result.segments:
+        return None, "self-summarised (more than one sequence)"
+    if not result.grading.get("correct"):
+        return None, f"graded wrong (tests passed: {result.grading.get('tests_fraction', 0):.0%})"
+    if result.grading.get("forbidden_edits"):
+        return None, "forbidden edits"
+    messages = list(result.messages)
+    while messages[-1]["role"] == "tool":  # finish's "finished": after the last model turn, nothing to learn
+        messages.pop()
+    return {"id": task.id, "messages": messages, "tools": tools}, None
+
+
+def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1):
+    """(records in task order, {task id: why dropped})."""
+    def one(task: Task):
+        path = os.path.join(oracle_dir, f"{task.id}.json")
+        if not os.path.exists(path):
+            return None, "no oracle file"
+        try:
+            actions = load_actions(path)
+        except AgentError as e:
+            return None, f"bad oracle file ({e})"
+        return oracle_episode(task, actions, config)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outcomes = list(pool.map(one, tasks))
+    records = [r for r, _ in outcomes if r is not None]
+    dropped = {t.id: why for t, (_, why) in zip(tasks, outcomes) if why is not None}
+    return records, dropped
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", required=True, help="SUITE: task file, directory of task files, or builtin:NAME")
+    p.add_argument("--oracle", required=True, help="DIR with DIR/<task id>.json (ACTIONS.json format)")
+    p.add_argument("--output", required=True, help="chat JSONL for pretrain_composer.py --sft --data-path")
+    p.add_argument("--concurrency", type=int, default=1, help="episodes run at once")
+    add_env_args(p)
+    args = p.parse_args(argv)
+    try:
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+        if args.env_summarize_at is not None:
+            raise ValueError("--env-summarize-at: SFT conversations are single sequences; drop the flag")
+        if not os.path.isdir(args.oracle):
+            raise ValueError(f"--oracle {args.oracle}: not a directory")
+        tasks = load_suite(args.tasks)
+        config = episode_config(args)
+    except (TaskError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    records, dropped = build(tasks, args.oracle, config, args.concurrency)
+    with atomic_output(args.output) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    reasons = Counter(why.split(" (")[0] for why in dropped.values())
+    report = {"tasks": len(tasks), "kept": len(records), "dropped": len(dropped), "tool_declarations":
+              config.tool_declarations, "dropped_by_reason": dict(reasons), "dropped_tasks": dropped}
+    with atomic_output(args.output + ".report.json") as f:
+        json.dump(report, f, indent=1)
+    print(f"kept {len(records)} of {len(tasks)} oracle episodes -> {args.output} ({config.tool_declarations} tool "
+          f"declarations)", file=sys.stderr)
+    for why, n in reasons.most_common():
+        print(f"  dropped {n}: {why}", file=sys.stderr)
+    return 0 if records else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
