@@ -21,6 +21,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,9 +62,25 @@ def oracle_episode(task: Task, actions: list, config: EpisodeConfig) -> tuple[di
     return {"id": task.id, "messages": messages, "tools": tools}, None
 
 
-def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1):
-    """(records in task order, {task id: why dropped})."""
+def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1, log=None):
+    """(records in task order, {task id: why dropped}); `log` gets a progress line every ~5% of the tasks."""
+    done, lock, every, start = [0], threading.Lock(), max(1, len(tasks) // 20), time.monotonic()
+
+    def progress():
+        with lock:
+            done[0] += 1
+            if log is not None and (done[0] % every == 0 or done[0] == len(tasks)):
+                rate = done[0] / max(time.monotonic() - start, 1e-9)
+                log(f"[{done[0]}/{len(tasks)}] oracle episodes played, {rate:.2f}/s, "
+                    f"eta {(len(tasks) - done[0]) / rate:.0f} s")
+
     def one(task: Task):
+        try:
+            return _one(task)
+        finally:
+            progress()
+
+    def _one(task: Task):
         path = os.path.join(oracle_dir, f"{task.id}.json")
         if not os.path.exists(path):
             return None, "no oracle file"
@@ -99,7 +117,8 @@ def main(argv=None) -> int:
     except (TaskError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    records, dropped = build(tasks, args.oracle, config, args.concurrency)
+    records, dropped = build(tasks, args.oracle, config, args.concurrency,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
     with atomic_output(args.output) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -1,0 +1,332 @@
+"""Agentic RL that learns: the whole recipe in miniature, on one command, judged on held-out repository tasks.
+
+    python benchmarks/agentic_learning.py --out runs/agentic            # about 30 minutes on 2 CPU cores
+    python benchmarks/agentic_learning.py --out runs/agentic_smoke --smoke   # the default suite's few-step version
+
+Phases (each skipped when its output exists, so re-running the command resumes; DIR is --out):
+  1. tasks      tools/make_agent_tasks.py: a generated family of small repository tasks with hidden tests; the
+                train split is cut into an SFT part and a disjoint RL part, the held-out split shares no program with
+                either (DIR/tasks/{sft,rl,heldout}.jsonl, oracle scripts in DIR/tasks/oracle/)
+  2. sft data   tools/build_agent_sft.py: each SFT task's oracle played through the real episode loop in the sandbox,
+                kept when graded correct, as chat conversations (DIR/sft.jsonl), compact tool declarations
+  3. tokenizer  tools/train_tokenizer.py on the SFT conversations' text and the RL tasks' files (DIR/tokenizer)
+  4. sft        pretrain_composer.py --sft from a random init, deliberately short (DIR/ckpt/sft)
+  5. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
+                per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
+  6. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
+                DIR/eval/sft, DIR/eval/rl), then --compare (DIR/eval/compare)
+  7. report     DIR/summary.json, a markdown table for docs/benchmarks.md, and the figure (--plot): held-out
+                success with 95% intervals and the training reward's parts per RL step
+
+The checkpoints record the agent-prompt options they were trained with, so anyone can evaluate them on tasks of
+another seed with `tools/run_eval.py --tasks T --agent local:DIR/ckpt/rl --serve-arg=--tokenizer-model
+--serve-arg=DIR/tokenizer` and no other flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_ext.eval.stats import wilson  # noqa: E402
+
+PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
+
+
+def run(cmd: list, log_path: str, threads: int = 2):
+    """Runs one phase's command with its output in log_path; a failure names the log."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    with open(log_path, "w") as log:
+        code = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if code:
+        with open(log_path) as f:
+            tail = f.read()[-2000:]
+        raise SystemExit(f"{' '.join(str(c) for c in cmd[:4])} ... failed ({code}); see {log_path}:\n{tail}")
+
+
+class Phases:
+    """Wall time of each phase, kept in DIR/timings.json across resumed runs."""
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "timings.json")
+        self.seconds = json.load(open(self.path)) if os.path.exists(self.path) else {}
+
+    def __call__(self, name: str, done: bool, body):
+        if done and name in self.seconds:
+            print(f"[{name}] done before ({self.seconds[name]:.0f} s)", flush=True)
+            return
+        print(f"[{name}] ...", flush=True)
+        start = time.monotonic()
+        body()
+        self.seconds[name] = time.monotonic() - start
+        with open(self.path, "w") as f:
+            json.dump(self.seconds, f, indent=1)
+        print(f"[{name}] {self.seconds[name]:.0f} s", flush=True)
+
+
+def split_train(tasks_dir: str, n_sft: int, n_rl: int):
+    """DIR/tasks/sft.jsonl and rl.jsonl: disjoint slices of train.jsonl (same folder, so relative paths hold)."""
+    lines = [line for line in open(os.path.join(tasks_dir, "train.jsonl")) if line.strip()]
+    if len(lines) < n_sft + n_rl:
+        raise SystemExit(f"{tasks_dir}/train.jsonl holds {len(lines)} tasks; --sft-tasks + --rl-tasks need "
+                         f"{n_sft + n_rl}")
+    for name, part in (("sft", lines[:n_sft]), ("rl", lines[n_sft:n_sft + n_rl])):
+        with open(os.path.join(tasks_dir, f"{name}.jsonl"), "w") as f:
+            f.writelines(part)
+
+
+def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str) -> str:
+    """The text a tokenizer should cover: every SFT conversation's messages and calls, and the RL tasks' files."""
+    path = os.path.join(out, "tokenizer_corpus.jsonl")
+    with open(path, "w") as f:
+        for line in open(sft_path):
+            conversation = json.loads(line)
+            for message in conversation["messages"]:
+                text = message.get("content") or ""
+                for call in message.get("tool_calls") or []:
+                    text += "\n" + call["function"]["name"] + " " + call["function"]["arguments"]
+                f.write(json.dumps({"text": text}) + "\n")
+            f.write(json.dumps({"text": json.dumps(conversation.get("tools", []))}) + "\n")
+        for line in open(os.path.join(tasks_dir, "rl.jsonl")):
+            task = json.loads(line)
+            repo = os.path.join(tasks_dir, task["repo"])
+            f.write(json.dumps({"text": task["instruction"]}) + "\n")
+            for base, _, names in os.walk(repo):
+                for name in names:
+                    if name.endswith(".py"):
+                        f.write(json.dumps({"text": open(os.path.join(base, name)).read()}) + "\n")
+    return path
+
+
+def eval_metrics(run_dir: str, passes: int) -> dict:
+    """What the issue asks per checkpoint, from run_eval's summary and episodes."""
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl")) if line.strip()]
+    calls = [c for e in episodes for c in e["tool_calls"]]
+    finished = [e for e in episodes if e["status"] == "finished"]
+
+    def tested_before_finish(e) -> bool:
+        names = [c["name"] for c in e["tool_calls"] if c["valid"]]
+        return "finish" in names and any(
+            n == "run_command" and "pytest" in json.loads(c["arguments"] or "{}").get("command", "")
+            for n, c in zip(names, [c for c in e["tool_calls"] if c["valid"]]) if n == "run_command")
+
+    solved = sum(1 for t in summary["per_task"].values() if max(t["correct"]) > 0)
+    tasks = len(summary["per_task"])
+    return {"success": summary["accuracy"], "success_ci": summary["accuracy_ci"],
+            "success_wilson": summary["accuracy_wilson"],
+            f"pass@{passes}": solved / tasks, f"pass@{passes}_ci": list(wilson(solved, tasks)),
+            "episodes": len(episodes), "tasks": tasks,
+            "valid_tool_call_rate": (sum(c["valid"] for c in calls) / len(calls)) if calls else 0.0,
+            "tool_calls_per_episode": len(calls) / max(len(episodes), 1),
+            "finished_rate": len(finished) / max(len(episodes), 1),
+            "tests_before_finish_rate": sum(map(tested_before_finish, episodes)) / max(len(episodes), 1),
+            "turns_per_episode": summary["efficiency"]["turns"],
+            "output_tokens_per_episode": summary["efficiency"]["output_tokens"],
+            "total_tokens_per_episode": summary["efficiency"]["total_tokens"],
+            "forbidden_edits": sum(e["reward"].get("forbidden_edits", 0) for e in episodes),
+            "statuses": summary["statuses"]}
+
+
+def rl_curve(log_dir: str) -> list[dict]:
+    """Per RL step: the mean total reward and the mean of each reward part over the step's episodes
+    (rollouts.jsonl, one line per sampled sequence; an episode's parts are on its first sequence)."""
+    steps: dict[int, list] = {}
+    with open(os.path.join(log_dir, "rollouts.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("sequence_index", 0) == 0:
+                steps.setdefault(record["step"], []).append(record)
+    curve = []
+    for step in sorted(steps):
+        records = steps[step]
+        parts: dict[str, list] = {}
+        for r in records:
+            for k, v in (r.get("reward_parts") or {}).items():
+                parts.setdefault(k, []).append(v)
+        curve.append({"step": step, "reward": sum(r["reward"] for r in records) / len(records),
+                      **{k: sum(v) / len(v) for k, v in sorted(parts.items()) if k != "length"}})
+    return curve
+
+
+def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(metrics)
+    for offset, key, label in ((-0.15, "success", "mean over passes"), (0.15, f"pass@{passes}", f"pass@{passes}")):
+        ys = [metrics[n][key] for n in names]
+        cis = [metrics[n]["success_wilson" if key == "success" else key + "_ci"] for n in names]
+        xs = [i + offset for i in range(len(names))]
+        left.errorbar(xs, ys, yerr=[[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]],
+                      fmt="o", capsize=4, label=label)
+    left.set_xticks(range(len(names)), names)
+    left.set_ylim(0, 1)
+    left.set_ylabel("held-out success (95% interval)")
+    left.legend()
+    left.grid(alpha=0.3)
+    steps = [c["step"] for c in curve]
+    right.plot(steps, [c["reward"] for c in curve], marker="o", color="black", label="total reward")
+    for key in sorted({k for c in curve for k in c} - {"step", "reward"}):
+        values = [c.get(key, 0.0) for c in curve]
+        if any(abs(v) > 1e-9 for v in values):
+            right.plot(steps, values, marker=".", alpha=0.8, label=key)
+    right.set_xlabel("RL step")
+    right.set_ylabel("mean over the step's samples")
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/agentic")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="a few tasks and steps: checks the pipeline, not learning")
+    p.add_argument("--sft-tasks", type=int, default=None, help="train tasks whose oracle trajectories SFT learns")
+    p.add_argument("--rl-tasks", type=int, default=None, help="train tasks RL sees (each once; disjoint from SFT's)")
+    p.add_argument("--heldout", type=int, default=None, help="held-out tasks evaluated")
+    p.add_argument("--task-kinds", default=None, help="tools/make_agent_tasks.py --kinds")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--model-flags", default="--model tiny --mtp-num-layers 0",
+                   help="architecture flags (from scratch; the checkpoints record them)")
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--sft-iters", type=int, default=None)
+    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-batch", type=int, default=8)
+    p.add_argument("--rl-iters", type=int, default=None, help="RL steps (default: every RL task once)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--kl-beta", type=float, default=0.001)
+    p.add_argument("--max-response-length", type=int, default=384, help="model tokens per episode")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
+    p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
+    p.add_argument("--rl-ranks", type=int, default=2)
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "agentic_learning.png"))
+    a = p.parse_args(argv)
+    defaults = dict(sft_tasks=16, rl_tasks=4, heldout=4, sft_iters=4, passes=2) if a.smoke else \
+        dict(sft_tasks=300, rl_tasks=96, heldout=48, sft_iters=150)
+    for key, value in defaults.items():
+        if getattr(a, key) is None or (a.smoke and key == "passes"):
+            setattr(a, key, value)
+    if a.smoke:
+        a.group_size, a.prompts_per_step, a.plot = 2, 2, os.path.join(a.out, "agentic_learning.png")
+    if a.rl_iters is None:
+        a.rl_iters = a.rl_tasks // a.prompts_per_step
+    out = os.path.abspath(a.out)
+    tasks_dir, tokenizer = os.path.join(out, "tasks"), os.path.join(out, "tokenizer")
+    sft_data = os.path.join(out, "sft.jsonl")
+    sft_ckpt, rl_ckpt = os.path.join(out, "ckpt", "sft"), os.path.join(out, "ckpt", "rl")
+    rl_logs, eval_dir = os.path.join(out, "rl_logs"), os.path.join(out, "eval")
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    log = lambda name: os.path.join(out, "logs", name + ".log")  # noqa: E731
+    py = [sys.executable, "-W", "ignore"]
+    model = a.model_flags.split() + ["--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length]
+    phases = Phases(out)
+
+    def make_tasks():
+        kinds = ["--kinds", a.task_kinds] if a.task_kinds else []
+        run(py + ["tools/make_agent_tasks.py", "--out", tasks_dir, "--seed", a.seed, "--train",
+                  a.sft_tasks + a.rl_tasks, "--heldout", a.heldout, *kinds], log("tasks"))
+        split_train(tasks_dir, a.sft_tasks, a.rl_tasks)
+
+    phases("tasks", os.path.exists(os.path.join(tasks_dir, "rl.jsonl")), make_tasks)
+    phases("sft_data", os.path.exists(sft_data), lambda: run(
+        py + ["tools/build_agent_sft.py", "--tasks", os.path.join(tasks_dir, "sft.jsonl"), "--oracle",
+              os.path.join(tasks_dir, "oracle"), "--output", sft_data, "--concurrency", 2, *PROMPT_OPTIONS],
+        log("sft_data")))
+    phases("tokenizer", os.path.exists(os.path.join(tokenizer, "tokenizer.json")), lambda: run(
+        py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir), "--vocab-size",
+              a.vocab_size, "--output", tokenizer], log("tokenizer")))
+    done = lambda ckpt: os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))  # noqa: E731
+    phases("sft", done(sft_ckpt), lambda: run(
+        py + ["pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
+              *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
+              "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
+              "cosine", "--train-iters", a.sft_iters, "--split", "98,2,0", "--eval-interval", a.sft_iters,
+              "--eval-iters", 1, "--log-interval", max(1, a.sft_iters // 10), "--save", sft_ckpt,
+              "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")))
+    launcher = py + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", a.rl_ranks]
+                     if a.rl_ranks > 1 else [])
+    phases("rl", done(rl_ckpt), lambda: run(
+        launcher + ["rl_composer.py", "--rl-env", "coding", "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
+                    "--tokenizer-model", tokenizer, "--load", sft_ckpt, "--finetune", "--use-checkpoint-args",
+                    *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
+                    "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
+                    "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
+                    "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
+                    "--rl-max-turns", a.max_turns, "--log-interval", 1, "--seed", a.seed],
+        log("rl"), threads=1 if a.rl_ranks > 1 else 2))
+    heldout = os.path.join(tasks_dir, "heldout.jsonl")
+    for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
+        run_dir = os.path.join(eval_dir, name)
+        phases(f"eval_{name}", os.path.exists(os.path.join(run_dir, "summary.json")), lambda ckpt=ckpt, run_dir=run_dir: run(
+            py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
+                  "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
+                  "--temperature", 1.0, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
+                  "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")))
+    compare_dir = os.path.join(eval_dir, "compare")
+    phases("compare", os.path.exists(os.path.join(compare_dir, "compare.json")), lambda: run(
+        py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
+              "--out", compare_dir], log("compare")))
+
+    metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes) for name in ("sft", "rl")}
+    compared = json.load(open(os.path.join(compare_dir, "compare.json")))
+    curve = rl_curve(rl_logs)
+    summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
+               "compare": compared, "rl_curve": curve, "wall_s": phases.seconds}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(markdown(metrics, compared, curve, phases.seconds, a.passes))
+    if a.plot:
+        plot(a.plot, metrics, curve, a.passes,
+             f"tiny K2.5 ({a.model_flags}): SFT on {a.sft_tasks} oracle episodes, GRPO on {a.rl_tasks} tasks x "
+             f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T=1")
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int) -> str:
+    fmt_ci = lambda v, ci: f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
+    rows = ["| checkpoint | held-out success (mean of K, 95% Wilson) | pass@K (95% Wilson) | valid tool calls | "
+            "tests run before finish | turns / episode | output tokens / episode | forbidden edits |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, m in metrics.items():
+        rows.append(f"| {name} | {fmt_ci(m['success'], m['success_wilson'])} | "
+                    f"{fmt_ci(m[f'pass@{passes}'], m[f'pass@{passes}_ci'])} | {m['valid_tool_call_rate']:.3f} | "
+                    f"{m['tests_before_finish_rate']:.3f} | {m['turns_per_episode']:.2f} | "
+                    f"{m['output_tokens_per_episode']:.0f} | {m['forbidden_edits']:.0f} |")
+    pair = (compared.get("pairs") or [{}])[0] if isinstance(compared, dict) else {}
+    rows.append("")
+    rows.append(f"compare (paired sign-flip over tasks): {json.dumps(pair.get('overall', pair))[:400]}")
+    rows.append("")
+    rows.append("| RL step | reward | " + " | ".join(k for k in curve[0] if k not in ("step", "reward")) + " |"
+                if curve else "")
+    if curve:
+        keys = [k for k in curve[0] if k not in ("step", "reward")]
+        rows.append("|---|---|" + "---|" * len(keys))
+        for c in curve:
+            rows.append(f"| {c['step']} | {c['reward']:.3f} | " + " | ".join(f"{c.get(k, 0):.3f}" for k in keys)
+                        + " |")
+    rows.append("")
+    rows.append("wall time per phase (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The agentic-learning benchmark's pipeline end to end at smoke size (benchmarks/agentic_learning.py --smoke):
+generated tasks -> oracle SFT data -> tokenizer -> SFT -> GRPO in the sandboxed coding environment -> run_eval on
+held-out tasks for both checkpoints -> compare -> summary and figure. It checks the pipeline's content, not that
+the model learns (that is the full benchmark's job, docs/benchmarks.md)."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_agentic_learning_smoke(tmp_path):
+    out = tmp_path / "agentic"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/agentic_learning.py", "--out", str(out),
+                           "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    settings = summary["settings"]
+
+    # SFT data: one conversation per kept oracle episode, each with tool calls ending in finish
+    conversations = [json.loads(line) for line in (out / "sft.jsonl").read_text().splitlines()]
+    assert len(conversations) == settings["sft_tasks"]
+    for c in conversations:
+        calls = [t["function"]["name"] for m in c["messages"] if m["role"] == "assistant"
+                 for t in m.get("tool_calls") or []]
+        assert calls[-1] == "finish" and "edit_file" in calls
+
+    # RL: every RL task trained once, G episodes each, the environment's reward parts logged per step
+    groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
+    rl_ids = [json.loads(line)["id"] for line in (out / "tasks" / "rl.jsonl").read_text().splitlines()]
+    assert sorted(g["prompt_id"] for g in groups) == sorted(rl_ids)
+    assert all(len(g["rewards"]) == settings["group_size"] for g in groups)
+    assert summary["rl_curve"] and {"correctness", "invalid_calls"} <= set(summary["rl_curve"][0])
+
+    # held-out evaluation of both checkpoints: every task x pass ran, as graded episodes with a report
+    heldout = [json.loads(line)["id"] for line in (out / "tasks" / "heldout.jsonl").read_text().splitlines()]
+    for name in ("sft", "rl"):
+        m = summary["heldout"][name]
+        assert m["episodes"] == len(heldout) * settings["passes"] and m["tasks"] == len(heldout)
+        assert 0.0 <= m["success"] <= 1.0 and m["forbidden_edits"] == 0
+        records = [json.loads(line) for line in (out / "eval" / name / "episodes.jsonl").read_text().splitlines()]
+        assert {r["task"] for r in records} == set(heldout)
+        assert all("correctness" in r["reward"] for r in records)
+    assert len(summary["compare"]["pairs"]) == 1
+    # the checkpoints carry the agent-prompt option they were trained with
+    from megatron_ext.training.checkpointing import checkpoint_args
+
+    for name in ("sft", "rl"):
+        _, recorded = checkpoint_args(str(out / "ckpt" / name), "test")
+        assert recorded.get("env_tool_declarations") == "compact", recorded.keys()
+    assert os.path.getsize(out / "agentic_learning.png") > 10_000
+    assert set(summary["wall_s"]) >= {"tasks", "sft_data", "tokenizer", "sft", "rl", "eval_sft", "eval_rl"}
