@@ -36,7 +36,7 @@ from megatron_ext.env.grading import GUARDED_MODULES
 
 KINDS = ("implement", "bugfix", "submodule")
 GENERATOR = "agent_tasks/v1"
-VISIBLE_TEST_COMMAND = "python -m pytest -q tests"
+VISIBLE_TEST_COMMAND = "python -m pytest -q -p no:cacheprovider tests"   # no .pytest_cache in the diff
 TEST_COMMAND = "python -m pytest -q tests tests_hidden"
 FORBIDDEN = ["tests/*", "tests_hidden/*", "*conftest.py"]
 STUB_LINE = "    raise NotImplementedError\n"
