@@ -54,11 +54,8 @@ def main(argv=None) -> int:
         shapes = {t.program.shape for t in tasks}
         print(f"wrote {len(tasks)} {split} tasks to {os.path.join(a.out, split + '.jsonl')} "
               f"({len(shapes)} program shapes)")
-    files, instructions = sizes["file_chars"], sizes["instruction_chars"]
-    if files:
-        print(f"sizes: repo files {min(files)}..{max(files)} characters (mean {sum(files) / len(files):.0f}), "
-              f"instructions {min(instructions)}..{max(instructions)} (mean "
-              f"{sum(instructions) / len(instructions):.0f}); {elapsed:.2f} s")
+    parts = [f"{role} {min(v)}..{max(v)} (median {sorted(v)[len(v) // 2]})" for role, v in sizes.items() if v]
+    print(f"characters: {', '.join(parts)}; generated and written in {elapsed:.2f} s")
     return 0
 
 

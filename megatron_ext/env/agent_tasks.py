@@ -259,7 +259,7 @@ def _pick_cases(rng: random.Random, program: Program, fn: Callable, wrong: list[
         ok, out = _call(fn, value)
         if not ok:
             continue
-        if all((lambda r: not r[0] or r[1] != out)(_call(w, value)) for w in wrong):
+        if all(_call(w, value) != (True, out) for w in wrong):  # a variant that raises differs too
             cases.append((value, out))
             if len(cases) == count:
                 return cases
@@ -456,22 +456,25 @@ def _write(path: str, text: str):
 
 
 def write_family(out: str, family: dict[str, list[AgentTask]]) -> dict:
-    """DIR/{train,heldout}.jsonl, DIR/tasks/<id>/{repo,hidden}, DIR/oracle/<id>.json; returns size statistics."""
+    """DIR/{train,heldout}.jsonl, DIR/tasks/<id>/{repo,hidden}, DIR/oracle/<id>.json; returns the characters of
+    each instruction, module, visible and hidden test file (what a tiny model's context must hold)."""
     for name in ("tasks", "oracle"):
         if os.path.isdir(os.path.join(out, name)):
             shutil.rmtree(os.path.join(out, name))
-    sizes = {"file_chars": [], "instruction_chars": []}
+    sizes = {"instruction": [], "module": [], "visible test": [], "hidden test": []}
     for split, tasks in family.items():
         lines = []
         for task in tasks:
             root = os.path.join(out, "tasks", task.id)
             for rel, text in task.files.items():
                 _write(os.path.join(root, "repo", rel), text)
-                sizes["file_chars"].append(len(text))
+                if text:
+                    sizes["module" if rel in task.reference else "visible test"].append(len(text))
             for rel, text in task.hidden.items():
                 _write(os.path.join(root, "hidden", rel), text)
+                sizes["hidden test"].append(len(text))
             _write(os.path.join(out, "oracle", f"{task.id}.json"), json.dumps(task.oracle, indent=1) + "\n")
             lines.append(json.dumps(task.record()) + "\n")
-            sizes["instruction_chars"].append(len(task.instruction))
+            sizes["instruction"].append(len(task.instruction))
         _write(os.path.join(out, f"{split}.jsonl"), "".join(lines))
     return sizes
