@@ -304,6 +304,44 @@ def _bug(rng: random.Random, program: Program) -> Optional[tuple[int, str]]:
     return rng.choice(options)
 
 
+def _helper(rng: random.Random, name: str) -> Optional[tuple[str, tuple]]:
+    """A working one-primitive function beside the task's (its visible test is the task's pass_to_pass), with
+    one (input, output) case; None when no sampled input suits it."""
+    program = sample_program(rng, 1)
+    arg = rng.choice(ARG_NAMES[program.takes])
+    source = _function_source(name, arg, None, program.body(arg))
+    fn = compile_function(source, name)
+    for _ in range(20):
+        value = sample_input(rng, program.takes, program)
+        ok, out = _call(fn, value)
+        if ok:
+            return source, (value, out)
+    return None
+
+
+def _layout(rng: random.Random, kind: str) -> tuple[str, str, str, list]:
+    """(module, file path, import path, package __init__ files): a root module or a one-level package, and
+    PKG/SUB/MODULE.py for the submodule kind."""
+    module = _module_name(rng)
+    if kind == "submodule":
+        package, sub = _module_name(rng, PACKAGES), rng.choice(SUBPACKAGES)
+        return (module, f"{package}/{sub}/{module}.py", f"{package}.{sub}.{module}",
+                [f"{package}/__init__.py", f"{package}/{sub}/__init__.py"])
+    if rng.random() < 0.5:
+        return module, f"{module}.py", module, []
+    package = _module_name(rng, PACKAGES)
+    return module, f"{package}/{module}.py", f"{package}.{module}", [f"{package}/__init__.py"]
+
+
+def _verify(task_id: str, fn: str, reference: str, written: str, cases: list):
+    """The files say what the tests check: the reference passes every case, the repository as written none."""
+    good, given = compile_function(reference, fn), compile_function(written, fn)
+    for value, out in cases:
+        if _call(good, value) != (True, out) or _call(given, value) == (True, out):
+            raise AgentTaskError(f"{task_id}: generator error: case {fn}({value!r}) == {out!r} does not tell the "
+                                 "reference from the repository")
+
+
 def build_task(rng: random.Random, task_id: str, kind: str, split: str, program: Program) -> Optional[AgentTask]:
     """The task for `program`, or None when this program does not make a good one (redundant step, no bug, too
     few distinguishing inputs); the caller samples another."""
@@ -331,33 +369,14 @@ def build_task(rng: random.Random, task_id: str, kind: str, split: str, program:
         return None
     (example_in, example_out), hidden_cases = cases[0], cases[1:]
     call = f"{fn}({example_in!r}) == {example_out!r}"
-    doc = f"{program.describe(arg)[0].upper()}{program.describe(arg)[1:]}. Example: {call}."
+    words = program.describe(arg)
+    doc = f"{words[0].upper()}{words[1:]}. Example: {call}."
 
-    helper_program = sample_program(rng, 1)
-    helper_arg = rng.choice(ARG_NAMES[helper_program.takes])
-    helper_src = _function_source(helper, helper_arg, None, helper_program.body(helper_arg))
-    helper_fn = compile_function(helper_src, helper)
-    helper_cases = None
-    for _ in range(20):
-        value = sample_input(rng, helper_program.takes, helper_program)
-        ok, out = _call(helper_fn, value)
-        if ok:
-            helper_cases = (value, out)
-            break
-    if helper_cases is None:
+    helper_part = _helper(rng, helper)
+    if helper_part is None:
         return None
-
-    module = _module_name(rng)
-    if kind == "submodule":
-        package, sub = _module_name(rng, PACKAGES), rng.choice(SUBPACKAGES)
-        path, import_from = f"{package}/{sub}/{module}.py", f"{package}.{sub}.{module}"
-        inits = [f"{package}/__init__.py", f"{package}/{sub}/__init__.py"]
-    elif rng.random() < 0.5:
-        path, import_from, inits = f"{module}.py", module, []
-    else:
-        package = _module_name(rng, PACKAGES)
-        path, import_from, inits = f"{package}/{module}.py", f"{package}.{module}", [f"{package}/__init__.py"]
-
+    helper_src, helper_case = helper_part
+    module, path, import_from, inits = _layout(rng, kind)
     if kind == "bugfix":
         target_body = program.body(arg, bug)
     else:
@@ -375,15 +394,12 @@ def build_task(rng: random.Random, task_id: str, kind: str, split: str, program:
         old_text, new_text = STUB_LINE, "".join(program.body(arg))
     if text.count(old_text) != 1:
         return None
-    # the generated files must say what the tests check: the written reference passes, the written repo fails
-    assert compile_function(reference_text, fn)(example_in) == example_out
-    ok, got = _call(compile_function(text, fn), example_in)
-    assert not ok or got != example_out, (task_id, program.text)
+    _verify(task_id, fn, reference_text, text, cases)
 
     test_file = f"tests/test_{module}.py"
     visible_test = (f"from {import_from} import {', '.join(sorted((fn, helper)))}\n\n\n"
                     f"def test_{fn}():\n    assert {call}\n\n\n"
-                    f"def test_{helper}():\n    assert {helper}({helper_cases[0]!r}) == {helper_cases[1]!r}\n")
+                    f"def test_{helper}():\n    assert {helper}({helper_case[0]!r}) == {helper_case[1]!r}\n")
     hidden_file = f"tests_hidden/test_{module}_hidden.py"
     halves = (hidden_cases[:1], hidden_cases[1:])
     hidden_test = f"from {import_from} import {fn}\n"
@@ -398,7 +414,7 @@ def build_task(rng: random.Random, task_id: str, kind: str, split: str, program:
         instruction = f"Test {test_file}::test_{fn} fails. Fix the bug in {signature} in {path}."
         message = f"Fixed {fn} in {path}; ran the tests and they pass."
     else:
-        instruction = f"Implement {signature} {location}: {program.describe(arg)}. Example: {call}."
+        instruction = f"Implement {signature} {location}: {words}. Example: {call}."
         message = f"Implemented {fn} in {path}; ran the tests and they pass."
     if len(instruction) > MAX_INSTRUCTION_CHARS:
         return None
