@@ -48,7 +48,11 @@ def main(argv=None) -> int:
     except AgentTaskError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sizes = write_family(a.out, family)
+    try:
+        sizes = write_family(a.out, family)
+    except OSError as e:
+        print(f"error: --out {a.out}: cannot write ({e.strerror}: {e.filename})", file=sys.stderr)
+        return 2
     elapsed = time.monotonic() - start
     for split, tasks in family.items():
         shapes = {t.program.shape for t in tasks}

@@ -204,6 +204,21 @@ def test_bad_flags_are_refused_by_name(tmp_path, capsys, args, message):
     assert not (tmp_path / "x").exists()
 
 
+def test_kinds_flag_chooses_the_kinds(tmp_path):
+    assert make(tmp_path / "sub", "--train", "4", "--heldout", "0", "--kinds", "submodule") == 0
+    tasks = load_tasks(str(tmp_path / "sub" / "train.jsonl"))
+    assert [t.metadata["kind"] for t in tasks] == ["submodule"] * 4
+    assert all(t.metadata["program_shape"].count("|") <= 2 for t in tasks)
+    shallow = generate(0, 20, 0, max_depth=1)["train"]
+    assert all(len(t.program.steps) == 1 for t in shallow)
+
+
+def test_unwritable_out_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert make(tmp_path / "file" / "below", "--train", "3", "--heldout", "0") == 2
+    assert "--out" in capsys.readouterr().err
+
+
 def test_generation_errors_name_the_cause():
     with pytest.raises(agent_tasks.AgentTaskError, match="kinds must be among"):
         generate(0, 3, 0, kinds=("refactor",))
