@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, is_bytecode, parse_pytest_command,
-                                      runner_command, steering_paths)
+from megatron_ext.env.grading import (GradingRun, evaluate, expected_tests, is_bytecode, is_tool_cache,
+                                      parse_pytest_command, runner_command, steering_paths)
 from megatron_ext.env.rewards import DEFAULT_WEIGHTS, EpisodeFacts, last_test_run, score
 from megatron_ext.env.environments import sandbox_for
 from megatron_ext.env.sandbox import BubblewrapConfig, BubblewrapSandbox, copy_source
@@ -299,7 +299,7 @@ class Session:
         bytecode = [p for p in forbidden if is_bytecode(p) and not self._task_forbidden(p)]
         changes = {}
         for rel in changed:
-            if rel not in forbidden:
+            if rel not in forbidden and not is_tool_cache(rel):
                 old, new = _text(pristine.get(rel)), _text(final.get(rel))
                 if old is not None and new is not None:
                     changes[rel] = (old, new)

@@ -97,6 +97,15 @@ def is_bytecode(rel: str) -> bool:
     return rel.endswith((".pyc", ".pyo")) or "__pycache__" in rel.split("/")
 
 
+TOOL_CACHES = (".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis")
+
+
+def is_tool_cache(rel: str) -> bool:
+    """What running a tool leaves behind (pytest's cache after a plain `pytest`): not an edit, so it earns no
+    reward that needs a change (communication, tests_fraction) and is no style subject."""
+    return any(part in TOOL_CACHES for part in rel.split("/"))
+
+
 def steering_paths(changed: list[str], pristine: dict, final: dict) -> list[str]:
     """The changed paths (snapshot keys) that can steer a test run rather than be part of a solution: conftest.py
     anywhere, pytest/tox ini files, a changed pytest section of setup.cfg or pyproject.toml, *.pth, anything in a
