@@ -41,8 +41,10 @@ from megatron_ext.eval.stats import wilson  # noqa: E402
 PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
 
 
-def run(cmd: list, log_path: str, threads: int = 2):
-    """Runs one phase's command with its output in log_path; a failure names the log."""
+def run(cmd: list, log_path: str, threads: int = 1):
+    """Runs one phase's command with its output in log_path; a failure names the log. One thread per process:
+    two ranks of one thread beat one process of two on these tiny matmuls, and threads that spin while the
+    machine is shared slow a step down by ten times and more."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     with open(log_path, "w") as log:
         code = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -119,6 +121,10 @@ def eval_metrics(run_dir: str, passes: int) -> dict:
             n == "run_command" and "pytest" in json.loads(c["arguments"] or "{}").get("command", "")
             for n, c in zip(names, [c for c in e["tool_calls"] if c["valid"]]) if n == "run_command")
 
+    def succeeded(name: str) -> float:  # calls of this tool that worked (a failed read or edit is invalid too)
+        made = [c for c in calls if c["name"] == name]
+        return sum(c["valid"] for c in made) / len(made) if made else 0.0
+
     solved = sum(1 for t in summary["per_task"].values() if max(t["correct"]) > 0)
     tasks = len(summary["per_task"])
     return {"success": summary["accuracy"], "success_ci": summary["accuracy_ci"],
@@ -128,6 +134,8 @@ def eval_metrics(run_dir: str, passes: int) -> dict:
             "valid_tool_call_rate": (sum(c["valid"] for c in calls) / len(calls)) if calls else 0.0,
             "tool_calls_per_episode": len(calls) / max(len(episodes), 1),
             "finished_rate": len(finished) / max(len(episodes), 1),
+            # copying from the context: a read_file of an existing file, an edit_file whose old_text matched
+            "read_file_ok_rate": succeeded("read_file"), "edit_file_ok_rate": succeeded("edit_file"),
             "tests_before_finish_rate": sum(map(tested_before_finish, episodes)) / max(len(episodes), 1),
             "turns_per_episode": summary["efficiency"]["turns"],
             "output_tokens_per_episode": summary["efficiency"]["output_tokens"],
@@ -196,15 +204,15 @@ def main(argv=None):
     p.add_argument("--out", default="runs/agentic")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="a few tasks and steps: checks the pipeline, not learning")
-    p.add_argument("--sft-tasks", type=int, default=None, help="train tasks whose oracle trajectories SFT learns")
-    p.add_argument("--rl-tasks", type=int, default=None, help="train tasks RL sees (each once; disjoint from SFT's)")
-    p.add_argument("--heldout", type=int, default=None, help="held-out tasks evaluated")
+    p.add_argument("--sft-tasks", type=int, default=240, help="train tasks whose oracle trajectories SFT learns")
+    p.add_argument("--rl-tasks", type=int, default=64, help="train tasks RL sees (each once; disjoint from SFT's)")
+    p.add_argument("--heldout", type=int, default=48, help="held-out tasks evaluated")
     p.add_argument("--task-kinds", default=None, help="tools/make_agent_tasks.py --kinds")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--model-flags", default="--model tiny --mtp-num-layers 0",
                    help="architecture flags (from scratch; the checkpoints record them)")
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--sft-iters", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=1536, help="context of SFT, RL and serving (a whole episode)")
+    p.add_argument("--sft-iters", type=int, default=300)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--rl-iters", type=int, default=None, help="RL steps (default: every RL task once)")
@@ -216,16 +224,14 @@ def main(argv=None):
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
-    p.add_argument("--rl-ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "agentic_learning.png"))
     a = p.parse_args(argv)
-    defaults = dict(sft_tasks=16, rl_tasks=4, heldout=4, sft_iters=4, passes=2) if a.smoke else \
-        dict(sft_tasks=300, rl_tasks=96, heldout=48, sft_iters=150)
-    for key, value in defaults.items():
-        if getattr(a, key) is None or (a.smoke and key == "passes"):
-            setattr(a, key, value)
-    if a.smoke:
-        a.group_size, a.prompts_per_step, a.plot = 2, 2, os.path.join(a.out, "agentic_learning.png")
+    if a.smoke:  # the pipeline at its smallest: every phase runs, nothing is expected to learn
+        a.sft_tasks, a.rl_tasks, a.heldout, a.sft_iters, a.passes = 20, 4, 3, 3, 1
+        a.group_size, a.prompts_per_step, a.ranks, a.max_turns = 2, 2, 1, 3
+        a.max_response_length, a.eval_max_tokens = 96, 48
+        a.plot = os.path.join(a.out, "agentic_learning.png")
     if a.rl_iters is None:
         a.rl_iters = a.rl_tasks // a.prompts_per_step
     out = os.path.abspath(a.out)
@@ -254,24 +260,24 @@ def main(argv=None):
         py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir), "--vocab-size",
               a.vocab_size, "--output", tokenizer], log("tokenizer")))
     done = lambda ckpt: os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))  # noqa: E731
+    launcher = lambda ranks: py + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks]  # noqa: E731
+                                   if ranks > 1 else [])
     phases("sft", done(sft_ckpt), lambda: run(
-        py + ["pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
+        launcher(a.ranks) + ["pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
               *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
-              "cosine", "--train-iters", a.sft_iters, "--split", "98,2,0", "--eval-interval", a.sft_iters,
+              "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,
               "--eval-iters", 1, "--log-interval", max(1, a.sft_iters // 10), "--save", sft_ckpt,
               "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")))
-    launcher = py + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", a.rl_ranks]
-                     if a.rl_ranks > 1 else [])
     phases("rl", done(rl_ckpt), lambda: run(
-        launcher + ["rl_composer.py", "--rl-env", "coding", "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
+        launcher(a.ranks) + ["rl_composer.py", "--rl-env", "coding", "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
                     "--tokenizer-model", tokenizer, "--load", sft_ckpt, "--finetune", "--use-checkpoint-args",
                     *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
                     "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
                     "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
                     "--rl-max-turns", a.max_turns, "--log-interval", 1, "--seed", a.seed],
-        log("rl"), threads=1 if a.rl_ranks > 1 else 2))
+        log("rl")))
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
