@@ -277,14 +277,28 @@ def test_speculative_honours_stop_strings(engine):
     assert (spec.text, spec.finish_reason, spec.token_ids) == (plain.text, plain.finish_reason, plain.token_ids)
 
 
-class _NoHostSync(torch.overrides.TorchFunctionMode):
-    """Any read of tensor values on the host (a device-to-host sync on a GPU) raises."""
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of tensor values on the host (a device-to-host sync on a GPU); `strict`: raises at the
+    first one instead."""
+
+    READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+             torch.Tensor.cpu, torch.Tensor.numpy, torch.equal)
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        self.strict, self.names = strict, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-                    torch.Tensor.__float__, torch.Tensor.__index__):
-            raise AssertionError(f"host sync: {func.__name__}")
+        if func in self.READS:
+            if self.strict:
+                raise AssertionError(f"host sync: {func.__name__}")
+            self.names.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def _NoHostSync():
+    return _HostReads(strict=True)
 
 
 @pytest.mark.parametrize("rows", [3, 9])
@@ -303,3 +317,37 @@ def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, row
         with _NoHostSync():
             dense = eng._moe(mlp, h, None)
     assert torch.allclose(dense, sparse, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gathered-experts", "grouped-gemm"])
+def test_gpu_path_reads_only_the_sampled_tokens_on_the_host(engine, grouped, monkeypatch):
+    """Issue 27 item 11. On a GPU the engine's prefill and decode steps read nothing back from the device (the MoE
+    layers' routed experts and token counts, the cache lengths, the sampler's flags), so the host can queue a
+    step ahead; the one read per step is the sampled tokens with their logprobs (one transfer). Emulated on the
+    CPU by switching the GPU path on; tokens and logprobs equal the host-synced path's. `grouped`: the routed
+    experts as torch's grouped GEMM (the bf16 Hopper kernel; its CPU stand-in here), else each decode token's
+    experts gathered from the stacked weights."""
+    from megatron_ext.inference import engine as engine_module
+
+    eng, _ = engine
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (5, 11)]
+    cases = [([prompts[0]], SamplingParams(max_tokens=6, temperature=0.0, seed=0)),  # one sequence, greedy
+             (prompts, [SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=1),
+                        SamplingParams(max_tokens=4, temperature=0.0, seed=2)])]  # a batch; a row leaves early
+    for batch, params in cases:
+        expected = eng.generate(batch, params)
+        eng.host_sync_free = True
+        if grouped:
+            monkeypatch.setattr(engine_module, "_grouped_kernel", lambda x: True)
+        try:
+            with _HostReads() as reads:
+                got = eng.generate(batch, params)
+        finally:
+            eng.host_sync_free = None
+            monkeypatch.undo()
+        steps = max(len(c.token_ids) for c in got)
+        assert reads.names == ["tolist"] * steps
+        for a, b in zip(got, expected):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
