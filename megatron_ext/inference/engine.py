@@ -461,6 +461,10 @@ class InferenceEngine:
         # queues a whole step ahead of the device; None: on when the model is on CUDA
         self.host_sync_free: Optional[bool] = None
         self._stacks: dict[int, _ExpertStack] = {}  # id(MoE layer) -> its experts stacked (sync-free MoE)
+        # speculative decoding's step-aside decision (inference/speculative.py, plan_speculation): measured costs
+        # and the latest decision per draft depth
+        self.draft_costs: dict = {}
+        self.speculation_decisions: dict[int, bool] = {}
 
     def set_vocab_size(self, vocab_size: int):
         """Limit generation to the tokenizer's ids: the embedding's padding rows are never sampled."""

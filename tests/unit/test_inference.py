@@ -351,3 +351,67 @@ def test_gpu_path_reads_only_the_sampled_tokens_on_the_host(engine, grouped, mon
         for a, b in zip(got, expected):
             assert a.token_ids == b.token_ids
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def _plan_costs(eng, costs):
+    """Injects measured costs for one draft position (restored by the caller's finally)."""
+    saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
+    eng.draft_costs[1] = costs
+    eng.speculation_decisions.clear()
+    return saved
+
+
+@pytest.mark.parametrize("case", ["cannot-pay", "pays", "acceptance-too-low"])
+def test_speculation_steps_aside_unless_drafting_pays(engine, case, caplog):
+    """Issue 32 item 3. Costs as measured at start-up (here given): a draft round of one MTP draft costs a
+    verify forward and a draft. Where even perfectly accepted drafts cannot beat plain steps, or the acceptance
+    observed so far cannot, `policy="auto"` decodes plainly (exactly plain greedy's tokens, nothing drafted) and
+    logs one line; where drafting pays it keeps speculating (lossless)."""
+    from megatron_ext.inference.speculative import DraftCosts, SpeculationStats, generate_speculative
+
+    eng, _ = engine
+    costs = {"cannot-pay": DraftCosts(main=1.0, verify=1.6, draft=0.5),  # 2 tokens for 2.1 steps at best
+             "pays": DraftCosts(main=1.0, verify=1.1, draft=0.1),  # 2 tokens for 1.2 steps at best
+             "acceptance-too-low": DraftCosts(main=1.0, verify=1.1, draft=0.1)}[case]
+    stats = SpeculationStats()
+    if case == "acceptance-too-low":  # 1 + 0.1 tokens per 1.2 steps
+        stats.checked_by_depth, stats.accepted_by_depth, stats.drafted, stats.accepted = [100], [10], 100, 10
+    drafted_before = stats.drafted
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    saved = _plan_costs(eng, costs)
+    try:
+        with caplog.at_level("INFO", logger="megatron_ext.inference.speculative"):
+            out = generate_speculative(eng, prompt, params, stats, policy="auto")
+            again = generate_speculative(eng, prompt, params, stats, policy="auto")
+    finally:
+        eng.draft_costs, eng.speculation_decisions = saved
+    plain = eng.generate([prompt], params)[0]
+    assert out.token_ids == again.token_ids == plain.token_ids
+    assert out.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert len(lines) == 1  # the decision, logged once
+    if case == "pays":
+        assert stats.plan.speculate and stats.plan.speedup == pytest.approx(2 / 1.2)
+        assert stats.drafted > 0 and "on:" in lines[0]
+    else:
+        assert not stats.plan.speculate and stats.plan.speedup < 1
+        assert stats.drafted == drafted_before and stats.main_forwards == 0
+        assert "off (decoding plainly)" in lines[0]
+
+
+def test_draft_costs_are_measured_once_per_engine(engine):
+    from megatron_ext.inference.speculative import DraftCosts, measure_draft_costs, plan_speculation
+
+    eng, _ = engine
+    assert DraftCosts(main=1.0, verify=1.0, draft=0.0).speedup([0.5, 0.5]) == pytest.approx(1.75)
+    costs = measure_draft_costs(eng, 1, repeats=2)
+    assert all(0 < getattr(costs, k) < 10 for k in ("main", "verify", "draft"))
+    saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
+    eng.draft_costs.clear()
+    try:
+        plan = plan_speculation(eng, 1)
+        assert eng.draft_costs[1] is plan.costs and plan_speculation(eng, 1).costs is plan.costs
+        assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > 1)
+    finally:
+        eng.draft_costs, eng.speculation_decisions = saved
