@@ -255,6 +255,9 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
     bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {engine.vocab_size})")
+    if any(r is not None for r in engine.recurrent):
+        raise ValueError("MTP speculative decoding is not supported for Kimi Linear (KDA) models: rejected draft "
+                         "tokens cannot be taken back out of a recurrent state; generate without speculation")
     stats = stats if stats is not None else SpeculationStats()
     if policy == "auto":
         stats.plan = plan_speculation(engine, depth, stats)
@@ -278,10 +281,6 @@ class _Speculation:
         if max_len > engine.model.max_sequence_length:
             raise ValueError(f"prompt + max_tokens exceeds the model's {engine.model.max_sequence_length}")
         self.dev = engine.device
-        if any(r is not None for r in engine.recurrent):
-            raise ValueError("MTP speculative decoding is not supported for Kimi Linear (KDA) models: rejected "
-                             "draft tokens cannot be taken back out of a recurrent state; generate without "
-                             "speculation")
         self.main_cache = engine.new_cache(len(engine.layers), 1, max_len)
         self.mtp_cache = engine.new_cache(depth, 1, max_len)
         self.inputs = torch.empty(depth, max_len, engine.config.hidden_size, dtype=engine.dtype, device=self.dev)
