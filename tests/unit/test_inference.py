@@ -415,3 +415,23 @@ def test_draft_costs_are_measured_once_per_engine(engine):
         assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > 1)
     finally:
         eng.draft_costs, eng.speculation_decisions = saved
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_sync_free_experts_skip_other_ranks_experts(grouped):
+    """Expert parallelism: a rank holding experts 4-7 of 8 sums only the (token, expert) pairs routed to its own
+    experts; pairs of other ranks' experts contribute nothing (their rows, sorted last, are computed but masked)."""
+    from megatron_ext.inference.engine import _moe_indexed, _swiglu
+
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(5, 8, generator=g)
+    chosen = torch.tensor([[0, 5], [4, 7], [1, 2], [6, 4], [7, 3]])
+    weights = torch.rand(5, 2, generator=g)
+    fc1, fc2 = torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g)  # 16-byte rows (grouped GEMM)
+    expected = torch.zeros_like(flat)
+    for t in range(5):
+        for e, w in zip(chosen[t].tolist(), weights[t].tolist()):
+            if 4 <= e < 8:
+                expected[t] += w * _swiglu(flat[t: t + 1], fc1[e - 4], fc2[e - 4])[0]
+    got = _moe_indexed(flat, chosen, weights, fc1, fc2, first=4, grouped=grouped)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
