@@ -13,17 +13,28 @@
     --tokenizer-model). Without --load: a stand-in, the tiny preset trained here on the mock arithmetic-progression
     data with the MTP loss on.
 
+    By default speculation steps aside where drafting is not expected to pay (`--speculation auto`: measured
+    draft and verify costs against a plain step, and the acceptance observed; the decision is printed);
+    `--speculation always` times drafting itself. `--num-layers N` trains an N-layer stand-in.
+
 Timings alternate between the two sides of each ratio (one run of each per repeat, after a warm-up) and report
 medians, so that load from other jobs on a shared machine hits both sides alike.
 
-    python benchmarks/decode_throughput.py [--only a|b|floor] [--tokens 64] [--repeats 5] [--threads 2]
+--check: a regression guard. After measuring, each ratio is compared with the last figure recorded for the same
+options in docs/benchmarks.md (tables with `command`, `ratio` and `paired runs` columns); a ratio whose median
+falls outside the recorded paired-run range has moved, and the exit status is 1 when one fell below it.
+
+    python benchmarks/decode_throughput.py [--only a|b|floor] [--tokens 64] [--repeats 5] [--threads 2] [--check]
     python benchmarks/decode_throughput.py --only b --load CKPT --prompts-from /usr/lib/python3.11/json/decoder.py
+    python benchmarks/decode_throughput.py --only b --num-layers 16
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -41,7 +52,8 @@ from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.convert.streaming import import_hf  # noqa: E402
 from megatron_ext.data.mock import mock_sample  # noqa: E402
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams  # noqa: E402
-from megatron_ext.inference.speculative import SpeculationStats, generate_speculative  # noqa: E402
+from megatron_ext.inference.speculative import (SpeculationStats, describe_plan, draft_depth,  # noqa: E402
+                                                generate_speculative)
 from megatron_ext.training.checkpointing import checkpoint_dir, load_weights, read_tracker  # noqa: E402
 from megatron_ext.training.initialize import destroy, initialize_distributed  # noqa: E402
 from megatron_ext.training.step import build_model  # noqa: E402
@@ -79,6 +91,77 @@ def alternate(first, second, repeats: int) -> tuple[list[float], list[float]]:
             fn()
             times.append(time.perf_counter() - t0)
     return a, b
+
+
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
+# options that do not change what a ratio measures
+_NOT_COMPARED = {"check", "repeats", "only", "docs"}
+
+
+class Figure:
+    """One ratio of a run: kind "a" (ours ÷ transformers, end to end) or "b" (speculative ÷ plain), the median
+    over paired runs and their range."""
+
+    def __init__(self, kind: str, median: float, lo: float, hi: float):
+        self.kind, self.median, self.lo, self.hi = kind, median, lo, hi
+
+    def __repr__(self):
+        return f"({self.kind}) {self.median:.2f}x (paired {self.lo:.2f}-{self.hi:.2f})"
+
+
+def recorded_figures(text: str) -> list[tuple[str, str, Figure]]:
+    """(date, command, figure) of every row of the markdown tables whose header has `command`, `ratio` and
+    `paired runs` columns, in file order; the ratio cell reads "(a) 1.50x", the paired cell "1.38-1.64"."""
+    out, header = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if set(cells) <= {"---", ":---", "---:", ""} or not {"command", "ratio", "paired runs"} <= set(header):
+            continue
+        row = dict(zip(header, cells))
+        ratio = re.search(r"\((a|b)\)\s*([0-9.]+)x", row.get("ratio", ""))
+        paired = re.search(r"([0-9.]+)\s*-\s*([0-9.]+)", row.get("paired runs", ""))
+        if ratio and paired:
+            figure = Figure(ratio.group(1), float(ratio.group(2)), float(paired.group(1)), float(paired.group(2)))
+            out.append((row.get("date", ""), row["command"].strip("`"), figure))
+    return out
+
+
+def options_of(command: str) -> dict:
+    """The measured options of a recorded command line (what follows decode_throughput.py), defaults filled."""
+    words = shlex.split(command)
+    at = next((i for i, w in enumerate(words) if w.endswith("decode_throughput.py")), None)
+    if at is None:
+        raise ValueError(f"not a decode_throughput.py command: {command!r}")
+    opts = vars(parser().parse_args(words[at + 1:]))
+    return {k: v for k, v in opts.items() if k not in _NOT_COMPARED}
+
+
+def compare(figures: list[Figure], options: dict, text: str) -> tuple[list[str], bool]:
+    """A line per ratio against the last recorded figure of its kind with the same options, and whether one
+    fell below its recorded paired-run range."""
+    lines, fell = [], False
+    records = [(date, fig) for date, command, fig in recorded_figures(text) if options_of(command) == options]
+    for fig in figures:
+        last = [(date, rec) for date, rec in records if rec.kind == fig.kind]
+        if not last:
+            lines.append(f"check ({fig.kind}): no recorded figure for these options")
+            continue
+        date, rec = last[-1]
+        if fig.median < rec.lo:
+            verdict, fell = f"MOVED DOWN by {rec.median - fig.median:.2f}x", True
+        elif fig.median > rec.hi:
+            verdict = f"moved up by {fig.median - rec.median:.2f}x"
+        else:
+            verdict = "within the recorded paired-run range"
+        lines.append(f"check ({fig.kind}): now {fig.median:.2f}x (paired {fig.lo:.2f}-{fig.hi:.2f}), recorded "
+                     f"{date} {rec.median:.2f}x (paired {rec.lo:.2f}-{rec.hi:.2f}): {verdict}")
+    return lines, fell
 
 
 def ratio_summary(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -173,7 +256,7 @@ def floor_only(opts, workdir: str) -> str:
             f"F.linear calls ({mb / ms:.1f} GB/s); other processes used {busy:.0%} of the CPUs meanwhile")
 
 
-def versus_transformers(opts, workdir: str) -> str:
+def versus_transformers(opts, workdir: str) -> tuple[str, Figure]:
     hf, engine = random_deepseek(opts, workdir)
     hidden = opts.hidden
     prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -206,7 +289,8 @@ def versus_transformers(opts, workdir: str) -> str:
             f"{theirs_decode:.1f} tok/s -> {ours_decode / theirs_decode:.2f}x (goal >= 2); prompt forward ours "
             f"{med(ours_1) * 1e3:.0f} ms, transformers {med(theirs_1) * 1e3:.0f} ms; same tokens: {same}; "
             f"weight-read floor {floor_mb:.1f} MB, {floor_ms:.2f} ms per token (ours decoding "
-            f"{1e3 / ours_decode:.2f} ms per token); other processes used {busy:.0%} of the CPUs meanwhile")
+            f"{1e3 / ours_decode:.2f} ms per token); other processes used {busy:.0%} of the CPUs meanwhile",
+            Figure("a", median, lo, hi))
 
 
 def checkpoint_tokenizer(load: str, tokenizer_model, tokenizer_type):
@@ -248,14 +332,15 @@ def file_prompts(path: str, tokenizer, count: int, length: int, vocab_size: int)
 
 def trained_stand_in(opts, workdir: str) -> str:
     save = os.path.join(workdir, "trained")
-    assert entry.main(["--model", "tiny", "--mock-data", "--train-iters", str(opts.train_iters),
+    layers = ["--num-layers", str(opts.num_layers)] if opts.num_layers else []
+    assert entry.main(["--model", "tiny", "--mock-data", *layers, "--train-iters", str(opts.train_iters),
                        "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-2", "--lr-warmup-iters",
                        "10", "--min-lr", "1e-3", "--log-interval", str(opts.train_iters), "--save", save]) == 0
     destroy()
     return save
 
 
-def speculative(opts, workdir: str) -> str:
+def speculative(opts, workdir: str) -> tuple[str, Figure]:
     load = opts.load or trained_stand_in(opts, workdir)
     engine, args = load_engine(load)
     if opts.prompts_from:
@@ -267,30 +352,32 @@ def speculative(opts, workdir: str) -> str:
                    for i in range(opts.num_prompts)]
         source = f"{len(prompts)} mock prompts of {opts.prompt_length} tokens"
     params = SamplingParams(max_tokens=opts.tokens, temperature=0.0)
-    depth = opts.draft_depth
+    depth, policy = opts.draft_depth, opts.speculation
     stats = SpeculationStats()
     busy = OtherLoad()
     plain_s, spec_s = alternate(lambda: [engine.generate([p], params) for p in prompts],
-                                lambda: [generate_speculative(engine, p, params, stats, depth) for p in prompts],
-                                opts.repeats)
+                                lambda: [generate_speculative(engine, p, params, stats, depth, policy=policy)
+                                         for p in prompts], opts.repeats)
     busy = busy.fraction()
-    lossless = all(generate_speculative(engine, p, params, depth=depth).token_ids
+    lossless = all(generate_speculative(engine, p, params, stats, depth=depth, policy=policy).token_ids
                    == engine.generate([p], params)[0].token_ids for p in prompts)
+    decision = ("; " + describe_plan(stats.plan, draft_depth(engine, depth))) if stats.plan is not None else ""
     destroy()
     median, lo, hi = ratio_summary(spec_s, plain_s)
     tokens = opts.tokens * len(prompts)
     by_depth = ", ".join(f"{a / max(c, 1):.3f}" for a, c in zip(stats.accepted_by_depth, stats.checked_by_depth))
-    model = f"{load}" if opts.load else f"tiny preset trained {opts.train_iters} iterations on mock data here"
+    layers = f", {opts.num_layers} layers" if opts.num_layers else ""
+    model = f"{load}" if opts.load else f"tiny preset{layers} trained {opts.train_iters} iterations on mock data here"
     return (f"(b) MTP speculative vs plain greedy ({model}; {source}; {opts.tokens} new tokens each; "
             f"{len(engine.mtp_layers)} MTP layer(s), drafting {depth or len(engine.mtp_layers)}; {opts.threads} "
             f"threads): plain {tokens / statistics.median(plain_s):.1f} tok/s, speculative "
             f"{tokens / statistics.median(spec_s):.1f} tok/s -> {median:.2f}x (paired runs {lo:.2f}-{hi:.2f}; goal "
             f">= 1.8), acceptance {stats.acceptance_rate:.3f} (by draft position: {by_depth}; goal >= 0.85), "
             f"{stats.tokens_per_forward:.2f} tokens per main forward, lossless: {lossless}; other processes used "
-            f"{busy:.0%} of the CPUs meanwhile")
+            f"{busy:.0%} of the CPUs meanwhile{decision}", Figure("b", median, lo, hi))
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["a", "b", "floor"], default=None,
                    help="run one of the two measurements, or only (a)'s weight-read floor")
@@ -311,18 +398,41 @@ def main(argv=None):
     g.add_argument("--num-prompts", type=int, default=4, help="prompts per timed run")
     g.add_argument("--draft-depth", type=int, default=None, help="MTP layers drafting (default: all)")
     g.add_argument("--train-iters", type=int, default=1000, help="training of the stand-in model")
-    opts = p.parse_args(argv)
+    g.add_argument("--num-layers", type=int, default=None, help="decoder layers of the stand-in (default: the "
+                                                                "tiny preset's 4)")
+    g.add_argument("--speculation", choices=["auto", "always"], default="auto",
+                   help="auto: decode plainly where drafting is not expected to pay; always: draft")
+    p.add_argument("--check", action="store_true", help="compare the ratios with the last ones recorded for the "
+                                                        "same options in --docs; exit 1 if one fell")
+    p.add_argument("--docs", default=DOCS, help="where the recorded figures are (default: docs/benchmarks.md)")
+    return p
+
+
+def main(argv=None):
+    opts = parser().parse_args(argv)
+    if opts.check and opts.only == "floor":
+        raise SystemExit("--check compares the ratios of (a) and (b); --only floor has none")
+    if opts.check and not os.path.isfile(opts.docs):
+        raise SystemExit(f"--check: {opts.docs} does not exist")
     torch.set_num_threads(opts.threads)
     workdir = tempfile.mkdtemp(prefix="decode_bench_")
+    figures = []
     try:
         if opts.only == "floor":
             print(floor_only(opts, workdir), flush=True)
-        if opts.only in (None, "a"):
-            print(versus_transformers(opts, workdir), flush=True)
-        if opts.only in (None, "b"):
-            print(speculative(opts, workdir), flush=True)
+        for kind, run in (("a", versus_transformers), ("b", speculative)):
+            if opts.only in (None, kind):
+                line, figure = run(opts, workdir)
+                print(line, flush=True)
+                figures.append(figure)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if opts.check:
+        with open(opts.docs, encoding="utf-8") as f:
+            lines, fell = compare(figures, {k: v for k, v in vars(opts).items() if k not in _NOT_COMPARED}, f.read())
+        print("\n".join(lines), flush=True)
+        if fell:
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -272,14 +272,22 @@ def _expert_weights(experts) -> list[tuple[torch.Tensor, torch.Tensor]]:
 _DENSE_DECODE_MAX_TOKENS = 512
 
 
-def _dense_decode(flat: torch.Tensor, topk: int, num_experts: int) -> bool:
+def _dense_decode(flat: torch.Tensor, topk: int, num_experts: int, sync_free: Optional[bool] = None) -> bool:
     """On a GPU, decode batches whose tokens touch most experts anyway (tokens x top-k >= experts: ~63 % or more
     of them) run every local expert on every token, weighted by a zero-filled routing matrix: no host sync per
-    MoE layer (the other paths read the routing with .tolist()), shapes fixed for CUDA graphs, and about the same
-    expert weights read. Smaller batches keep the sparse path, where reading every expert would cost more than
-    the sync; prefills keep the grouped path (dense would multiply their FLOPs by experts / top-k)."""
+    MoE layer, shapes fixed for CUDA graphs, and about the same expert weights read. Prefills keep a grouped
+    path (dense would multiply their FLOPs by experts / top-k). `sync_free`: the engine's choice (default: on
+    CUDA)."""
     rows = flat.size(0)
-    return flat.is_cuda and rows <= _DENSE_DECODE_MAX_TOKENS and rows * topk >= num_experts
+    sync_free = flat.is_cuda if sync_free is None else sync_free
+    return sync_free and rows <= _DENSE_DECODE_MAX_TOKENS and rows * topk >= num_experts
+
+
+def _grouped_kernel(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs as one kernel reading the group offsets on the device (CUTLASS, bf16,
+    Hopper): elsewhere `torch._grouped_mm` falls back to a loop that copies the offsets to the host."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
@@ -292,6 +300,79 @@ def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
     for e, (fc1, fc2) in enumerate(experts):
         out.addcmul_(_swiglu(flat, fc1, fc2), gate[:, e: e + 1])
     return out
+
+
+def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, first: int,
+                 grouped: bool) -> torch.Tensor:
+    """The routed experts over (token, expert) pairs sorted by expert, with this rank's experts stacked [E, out,
+    in] (`_ExpertStack`), without host syncs: `grouped`, one grouped GEMM per projection whose group offsets stay
+    on the device; else each pair's expert weights gathered and applied by one batched matmul (copies top-k
+    experts' weights per token: for a few decode tokens only)."""
+    n, k = fc1.size(0), chosen.size(1)
+    local = chosen.flatten() - first
+    key, order = torch.sort(torch.where((local >= 0) & (local < n), local, n), stable=True)  # others' last
+    rows, mine = order // k, (key < n).unsqueeze(-1)
+    x = flat.index_select(0, rows)
+    if grouped:
+        offsets = torch.bincount(key, minlength=n + 1)[:n].cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, fc2.transpose(1, 2), offs=offsets)  # rows past the end: junk
+    else:
+        e = key.clamp(max=n - 1)
+        gate, up = torch.bmm(fc1.index_select(0, e), x.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(fc2.index_select(0, e), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    y = torch.where(mine, y * weights.flatten()[order].unsqueeze(-1), torch.zeros_like(y))
+    return torch.zeros_like(flat).index_put_((rows,), y, accumulate=True)
+
+
+def _stack_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[n, *shape] view of same-shaped contiguous tensors laid out at equal, ascending spacing in one storage
+    (as stacked experts, or a buffer holding them in order); None otherwise."""
+    first = tensors[0]
+    base = first.untyped_storage().data_ptr()
+    if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+               and t.untyped_storage().data_ptr() == base for t in tensors):
+        return None
+    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
+    if step < first.numel() or any(t.storage_offset() != first.storage_offset() + i * step
+                                   for i, t in enumerate(tensors)):
+        return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+class _ExpertStack:
+    """One MoE layer's local experts as two stacked tensors [E, 2 ffn, hidden] and [E, hidden, ffn] that the
+    device indexes by the routed experts (no host-side choice of weights). Views of the parameters' own memory,
+    never a second copy: when the experts already lie at equal spacing in one buffer (stacked, or in order in a
+    flat buffer) that buffer is viewed; when each owns its memory, the parameters are moved once into one
+    stacked tensor (`param.data` becomes a slice of it, so in-place updates and checkpoint loads show through).
+    None when neither holds (e.g. experts out of order in a shared buffer): the host-synced path is taken."""
+
+    def __init__(self, experts: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.experts = experts
+        self.fc1, self.fc2 = (self._stack([e[i] for e in experts]) for i in (0, 1))
+
+    @staticmethod
+    def _stack(params: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        view = _stack_view(params)
+        owned = all(isinstance(p, torch.nn.Parameter) and p.is_contiguous()
+                    and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in params)
+        if view is not None or not owned or len({(p.shape, p.dtype, p.device) for p in params}) != 1:
+            return view
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: training may update them in place
+            stacked = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
+            for i, p in enumerate(params):
+                stacked[i].copy_(p)
+                p.data = stacked[i]
+        return _stack_view(params)
+
+    def valid(self) -> bool:
+        """Still views of the experts' memory (a model moved or reloaded into new tensors breaks them)."""
+        if self.fc1 is None or self.fc2 is None:
+            return False
+        return all(stack[i].data_ptr() == e[j].data_ptr()
+                   for stack, j in ((self.fc1, 0), (self.fc2, 1)) for i, e in ((0, self.experts[0]),
+                                                                              (-1, self.experts[-1])))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -376,6 +457,14 @@ class InferenceEngine:
         # s new tokens absorbed wins while s (2r - dn - dv) < r (dn + dv).
         self.absorb_max_tokens = (r * (dn + dv)) // (2 * r - dn - dv) if 2 * r > dn + dv else 1 << 30
         self._rope_tables, self._fast_router = {}, {}
+        # GPU: no host reads of device values inside a forward (MoE routing, cache lengths), so that the host
+        # queues a whole step ahead of the device; None: on when the model is on CUDA
+        self.host_sync_free: Optional[bool] = None
+        self._stacks: dict[int, _ExpertStack] = {}  # id(MoE layer) -> its experts stacked (sync-free MoE)
+        # speculative decoding's step-aside decision (inference/speculative.py, plan_speculation): measured costs
+        # and the latest decision per draft depth
+        self.draft_costs: dict = {}
+        self.speculation_decisions: dict[int, bool] = {}
 
     def set_vocab_size(self, vocab_size: int):
         """Limit generation to the tokenizer's ids: the embedding's padding rows are never sampled."""
@@ -405,13 +494,12 @@ class InferenceEngine:
     # ---------------------------------------------------------------------------------------------------
 
     def _step(self, positions: torch.Tensor, lengths: torch.Tensor, cache: LatentCache,
-              valid: Optional[torch.Tensor] = None) -> _Step:
+              valid: Optional[torch.Tensor] = None, host_lengths: Optional[list[int]] = None) -> _Step:
         b, s = positions.shape
-        if b == 1:
-            start = int(lengths[0])
-            total = start + s
-        else:
-            start, total = None, int((lengths + s).max())
+        if host_lengths is None:  # read from the device (a sync on a GPU)
+            host_lengths = [int(lengths[0])] if b == 1 else [int(lengths.max())]
+        start = host_lengths[0] if b == 1 else None
+        total = max(host_lengths) + s
         if total > cache.max_len:
             raise ValueError(f"the cache holds {cache.max_len} tokens, this step needs {total}")
         mask = None
@@ -542,12 +630,23 @@ class InferenceEngine:
             finally:
                 router.router_replay = replay
             chosen = recorder.indices
-            if chosen is None:  # sinkhorn / fused routing: the experts, in ascending order
-                chosen = routing_map.nonzero()[:, 1].view(flat.size(0), -1)
+            if chosen is None:  # sinkhorn / fused routing: the experts, in ascending order (no nonzero: a sync)
+                chosen = torch.topk(routing_map.to(torch.int8), router.topk, dim=1).indices.sort(dim=1).values
             weights = probs.gather(1, chosen)
         if routing is not None:
             routing.append(chosen)
         return chosen, weights.to(flat.dtype)
+
+    @property
+    def sync_free(self) -> bool:
+        """Whether forwards avoid reading device values on the host (`host_sync_free`, default: on a GPU)."""
+        return self.device.type == "cuda" if self.host_sync_free is None else self.host_sync_free
+
+    def _expert_stack(self, mlp) -> Optional[_ExpertStack]:
+        stack = self._stacks.get(id(mlp))
+        if stack is None or (stack.fc1 is not None and stack.fc2 is not None and not stack.valid()):
+            stack = self._stacks[id(mlp)] = _ExpertStack(self._experts[id(mlp)])
+        return stack if stack.fc1 is not None and stack.fc2 is not None else None
 
     def _moe(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
         """y = sum_e p_e * expert_e(x) + shared(x), computed directly on the tokens each of this rank's experts
@@ -556,8 +655,14 @@ class InferenceEngine:
         chosen, weights = self._route(mlp.router, flat, routing)
         experts = self._experts[id(mlp)]
         first = mlp.local_expert_indices[0]
-        if _dense_decode(flat, chosen.size(1), self.config.num_moe_experts):
+        sync_free = self.sync_free
+        stack = self._expert_stack(mlp) if sync_free else None
+        if stack is not None and _grouped_kernel(flat):
+            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, grouped=True)
+        elif _dense_decode(flat, chosen.size(1), self.config.num_moe_experts, sync_free):
             out = _moe_dense(flat, chosen, weights, experts, first)
+        elif stack is not None and flat.size(0) * chosen.size(1) < len(experts):
+            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, grouped=False)
         elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             per_token = []
             for t, (token_experts, token_weights) in enumerate(zip(chosen.tolist(), weights.tolist())):
@@ -624,13 +729,15 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
-               routing: Optional[list] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+               routing: Optional[list] = None, valid: Optional[torch.Tensor] = None,
+               host_lengths: Optional[list[int]] = None) -> torch.Tensor:
         """Final-normed hidden states [s, b, h] of `tokens` [b, s] at `positions` [b, s], placed after each
         sample's `lengths` [b] cached tokens (their latents are appended). `routing`, when a list, receives each
         MoE layer's chosen experts [s * b, topk] (rows in [s, b] order, experts as the router ranks them).
-        `valid` [b, s] marks the real tokens of right-padded rows (KDA states must not absorb padding)."""
+        `valid` [b, s] marks the real tokens of right-padded rows (KDA states must not absorb padding).
+        `host_lengths`: `lengths` as the caller knows them on the host (spares reading them from the device)."""
         with platform.without_device_mapping():
-            step = self._step(positions, lengths, cache, valid)
+            step = self._step(positions, lengths, cache, valid, host_lengths)
             x = self._embed(tokens)
             if attn_residuals.is_installed(self.model.decoder):  # depth mixtures of these tokens' own outputs
                 x = attn_residuals.run_layers(self.model.decoder, x, [
@@ -904,7 +1011,8 @@ class _Batch:
         valid = None
         if min(lens) != width:  # right-padding must not reach a KDA layer's state
             valid = positions < torch.tensor(lens, device=dev).unsqueeze(1)
-        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing, valid)
+        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing, valid,
+                            host_lengths=[0] * P)
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
@@ -918,6 +1026,7 @@ class _Batch:
         in_cache = list(range(len(self.rows)))  # the rows the cache holds, in its batch order
         active = list(in_cache)  # rows still generating; `last` holds their next-token logits
         lengths = lens_t.repeat_interleave(counts)  # tokens in the cache of each cached row
+        host_lengths = [lens[i] for i in self.prompt_of]  # the same, known on the host (no device read)
         while True:
             ids = self._sample(last, active)
             going, forward = [], []
@@ -935,14 +1044,16 @@ class _Batch:
                 used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
                 cache.keep(keep, used)
                 lengths = lengths.index_select(0, keep)
+                host_lengths = [host_lengths[where[r]] for r in forward]
                 in_cache = forward
             if eng.between_steps is not None and eng.between_steps():
                 cache = self._reencode(forward, max_len, record)
                 self.version = eng.weights_version
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
             routing = [] if record else None
-            hidden = eng.hidden(new, lengths.unsqueeze(1), cache, lengths, routing)
+            hidden = eng.hidden(new, lengths.unsqueeze(1), cache, lengths, routing, host_lengths=host_lengths)
             lengths = lengths + 1
+            host_lengths = [n + 1 for n in host_lengths]
             if record:
                 self.routing_steps.append((torch.stack(routing, dim=1).to(torch.int16), list(forward)))
             if not going:
@@ -973,7 +1084,7 @@ class _Batch:
             valid = positions < torch.tensor(lens, device=eng.device).unsqueeze(1)
         routing = [] if record else None
         eng.hidden(tokens, positions, cache, torch.zeros(len(rows), dtype=torch.long, device=eng.device), routing,
-                   valid)
+                   valid, host_lengths=[0] * len(rows))
         eng.prefill_tokens += sum(lens)
         if record:
             table = torch.stack(routing, dim=1).view(width, len(rows), len(routing), -1).to(torch.int16)
@@ -990,7 +1101,10 @@ class _Batch:
         greedy = self.greedy[index]
         raw = torch.log_softmax(logits.double(), dim=-1)
         if self.any_sampled:
-            q = row_sampling_probs(logits, self.temperature[index], self.top_k[index], self.top_p[index], greedy)
+            params = [self.rows[r] for r in active]
+            q = row_sampling_probs(logits, self.temperature[index], self.top_k[index], self.top_p[index], greedy,
+                                   truncated=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+                                   any_greedy=any(p.temperature == 0 for p in params))
             draws = [torch.argmax(raw[i]) if self.rows[r].temperature == 0 else
                      torch.multinomial(q[i], 1, generator=self.generators[r])[0] for i, r in enumerate(active)]
             ids = torch.stack(draws)
@@ -1048,13 +1162,18 @@ def _finished(c: Completion, params: SamplingParams, detokenize) -> bool:
 
 
 def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       greedy: torch.Tensor) -> torch.Tensor:
+                       greedy: torch.Tensor, truncated: Optional[bool] = None,
+                       any_greedy: Optional[bool] = None) -> torch.Tensor:
     """The distributions tokens are drawn from, one row per request [b, vocab] (float64): temperature, then
     top-k (ties with the k-th kept), then top-p (the smallest set of most likely tokens reaching p); one-hot on
-    the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]."""
+    the argmax for greedy rows. temperature / top_k / top_p / greedy are per-row tensors [b]; `truncated` (any
+    row with top-k or top-p) and `any_greedy`, when the caller knows them on the host, spare reading them from
+    the device."""
     scores = logits.double() / temperature.unsqueeze(-1)
     vocab = scores.size(-1)
-    if bool(((top_k > 0) | (top_p < 1.0)).any()):  # else no sort over the vocabulary
+    if truncated is None:
+        truncated = bool(((top_k > 0) | (top_p < 1.0)).any())
+    if truncated:  # else no sort over the vocabulary
         sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         kth = sorted_scores.gather(-1, (k - 1).unsqueeze(-1))
@@ -1063,7 +1182,7 @@ def row_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         beyond = (p.cumsum(-1) - p >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
         scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores.masked_fill(beyond, -math.inf))
     probs = torch.softmax(scores, dim=-1)
-    if bool(greedy.any()):
+    if bool(greedy.any()) if any_greedy is None else any_greedy:
         probs = torch.where(greedy.unsqueeze(-1), F.one_hot(logits.argmax(-1), vocab).double(), probs)
     return probs
 

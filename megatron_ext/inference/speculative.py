@@ -20,10 +20,14 @@ Caches: the main model's and each MTP layer's latent caches only ever hold posit
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, _finished, sampling_probs
 
@@ -36,6 +40,7 @@ class SpeculationStats:
     tokens: int = 0
     checked_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
+    plan: Optional["SpeculationPlan"] = None  # the latest step-aside decision (policy "auto")
 
     @property
     def acceptance_rate(self) -> float:
@@ -44,6 +49,13 @@ class SpeculationStats:
     @property
     def tokens_per_forward(self) -> float:
         return self.tokens / max(self.main_forwards, 1)
+
+    def acceptance_by_depth(self, depth: int, min_checked: int) -> list[Optional[float]]:
+        """The acceptance rate of each draft position given the earlier ones were accepted; None where fewer
+        than `min_checked` drafts were checked there."""
+        return [self.accepted_by_depth[i] / self.checked_by_depth[i]
+                if i < len(self.checked_by_depth) and self.checked_by_depth[i] >= min_checked else None
+                for i in range(depth)]
 
     def count(self, depth: int, accepted: bool):
         while len(self.checked_by_depth) <= depth:
@@ -54,6 +66,113 @@ class SpeculationStats:
         if accepted:
             self.accepted += 1
             self.accepted_by_depth[depth] += 1
+
+
+log = logging.getLogger(__name__)
+
+# drafts checked at a position before its observed acceptance replaces the prior (every draft accepted)
+MIN_CHECKED = 32
+
+
+@dataclass
+class DraftCosts:
+    """Seconds, batch 1 at a short context, of a plain decode step (one token and its logits), of a verify
+    forward (the newest token and `depth` drafts) and of one MTP layer's draft (one position and its logits)."""
+    main: float
+    verify: float
+    draft: float
+
+    def speedup(self, acceptance: list[float]) -> float:
+        """Expected tokens per second of speculation over plain decoding: a round emits the accepted run of
+        drafts and one more token (1 + a1 + a1 a2 + ...) and costs one verify forward and a draft per layer."""
+        tokens, run = 1.0, 1.0
+        for a in acceptance:
+            run *= a
+            tokens += run
+        return tokens * self.main / (self.verify + len(acceptance) * self.draft)
+
+
+@dataclass
+class SpeculationPlan:
+    speculate: bool
+    speedup: float  # expected, from the costs and the acceptance below
+    acceptance: list[float]  # per draft position: observed (>= MIN_CHECKED drafts) or the prior 1.0
+    costs: DraftCosts
+
+
+def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, context: int = 32) -> DraftCosts:
+    """Time a plain step, a verify forward and a draft on scratch caches (medians of `repeats` rounds after a
+    warm-up, the three interleaved so that load from other processes hits them alike)."""
+    dev = engine.device
+    ids = (torch.arange(context + depth + 1, device=dev) * 7919 % engine.vocab_size).unsqueeze(0)
+    main_cache = engine.new_cache(len(engine.layers), 1, context + depth + 2)
+    mtp_cache = engine.new_cache(depth, 1, context + depth + 2)
+
+    def positions(start, count):
+        return torch.arange(start, start + count, device=dev).unsqueeze(0)
+
+    def at(n):
+        return torch.tensor([n], dtype=torch.long, device=dev)
+
+    with torch.inference_mode(), engine.generating():
+        hidden = engine.hidden(ids[:, :context], positions(0, context), main_cache, at(0), host_lengths=[0])
+        runs = {
+            "main": lambda: engine.logits(engine.hidden(ids[:, context: context + 1], positions(context, 1),
+                                                        main_cache, at(context), host_lengths=[context])),
+            "verify": lambda: engine.logits(engine.hidden(ids[:, context: context + depth + 1],
+                                                          positions(context, depth + 1), main_cache, at(context),
+                                                          host_lengths=[context])),
+            "draft": lambda: engine.logits(engine.mtp_hidden(0, hidden[-1:], ids[:, context: context + 1],
+                                                             positions(context - 1, 1), mtp_cache,
+                                                             at(context - 1))),
+        }
+        times = {name: [] for name in runs}
+        for i in range(repeats + 1):
+            for name, run in runs.items():
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                run()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if i:  # the first round warms up
+                    times[name].append(time.perf_counter() - t0)
+    return DraftCosts(**{name: statistics.median(t) for name, t in times.items()})
+
+
+def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None
+                     ) -> SpeculationPlan:
+    """Whether drafting `depth` tokens per round is expected to beat plain decoding on this engine: its draft
+    and verify costs against a plain step (measured once per engine and depth, `engine.draft_costs`), and the
+    acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
+    is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a
+    request agree (speculate only if all expect it to pay). One log line when the decision changes."""
+    costs = engine.draft_costs.get(depth)
+    if costs is None:
+        costs = engine.draft_costs[depth] = measure_draft_costs(engine, depth)
+    observed = (stats or SpeculationStats()).acceptance_by_depth(depth, MIN_CHECKED)
+    acceptance = [1.0 if a is None else a for a in observed]
+    speedup = costs.speedup(acceptance)
+    speculate = speedup > 1.0
+    groups = [g for g in (engine.groups.tp, engine.groups.ep) if g is not None]
+    if groups:
+        flag = torch.tensor([int(speculate)], device=engine.collective_device(groups[0]))
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        speculate = bool(flag.item())
+    plan = SpeculationPlan(speculate, speedup, acceptance, costs)
+    if engine.speculation_decisions.get(depth) != speculate:
+        engine.speculation_decisions[depth] = speculate
+        log.warning(describe_plan(plan, depth))
+    return plan
+
+
+def describe_plan(plan: SpeculationPlan, depth: int) -> str:
+    c = plan.costs
+    acceptance = ", ".join(f"{a:.2f}" for a in plan.acceptance)
+    return (f"speculative decoding {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) per "
+            f"round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, verify {c.verify * 1e3:.2f} ms, "
+            f"draft {c.draft * 1e3:.2f} ms, acceptance by position {acceptance})")
 
 
 def _draw(probs: torch.Tensor, generator) -> int:
@@ -122,9 +241,13 @@ def verify_drafts(drafts: list[int], dists: list[Optional[torch.Tensor]], logits
 @torch.inference_mode()
 def generate_speculative(engine: InferenceEngine, prompt: list[int], params: SamplingParams,
                          stats: SpeculationStats | None = None, depth: Optional[int] = None,
-                         on_token: Optional[Callable[[int, int, float], None]] = None) -> Completion:
+                         on_token: Optional[Callable[[int, int, float], None]] = None,
+                         policy: str = "always") -> Completion:
     """Generate for one prompt with `depth` MTP layers drafting (default: all the model has); `on_token(0,
-    token_id, logprob)` is called as each token is emitted."""
+    token_id, logprob)` is called as each token is emitted. `policy` "auto": decode plainly instead when
+    drafting is not expected to pay (`plan_speculation`; the plan is left in `stats.plan`), "always": draft."""
+    if policy not in ("auto", "always"):
+        raise ValueError(f"speculation policy must be 'auto' or 'always', got {policy!r}")
     depth = draft_depth(engine, depth)
     if not prompt:
         raise ValueError("the prompt needs at least one token")
@@ -132,7 +255,14 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
     bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {engine.vocab_size})")
+    if any(r is not None for r in engine.recurrent):
+        raise ValueError("MTP speculative decoding is not supported for Kimi Linear (KDA) models: rejected draft "
+                         "tokens cannot be taken back out of a recurrent state; generate without speculation")
     stats = stats if stats is not None else SpeculationStats()
+    if policy == "auto":
+        stats.plan = plan_speculation(engine, depth, stats)
+        if not stats.plan.speculate:
+            return engine.generate([prompt], params, on_token)[0]
     with engine.generating():
         return _Speculation(engine, prompt, params, stats, depth, on_token).run()
 
@@ -151,10 +281,6 @@ class _Speculation:
         if max_len > engine.model.max_sequence_length:
             raise ValueError(f"prompt + max_tokens exceeds the model's {engine.model.max_sequence_length}")
         self.dev = engine.device
-        if any(r is not None for r in engine.recurrent):
-            raise ValueError("MTP speculative decoding is not supported for Kimi Linear (KDA) models: rejected "
-                             "draft tokens cannot be taken back out of a recurrent state; generate without "
-                             "speculation")
         self.main_cache = engine.new_cache(len(engine.layers), 1, max_len)
         self.mtp_cache = engine.new_cache(depth, 1, max_len)
         self.inputs = torch.empty(depth, max_len, engine.config.hidden_size, dtype=engine.dtype, device=self.dev)

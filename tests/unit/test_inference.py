@@ -277,14 +277,28 @@ def test_speculative_honours_stop_strings(engine):
     assert (spec.text, spec.finish_reason, spec.token_ids) == (plain.text, plain.finish_reason, plain.token_ids)
 
 
-class _NoHostSync(torch.overrides.TorchFunctionMode):
-    """Any read of tensor values on the host (a device-to-host sync on a GPU) raises."""
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of tensor values on the host (a device-to-host sync on a GPU); `strict`: raises at the
+    first one instead."""
+
+    READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+             torch.Tensor.cpu, torch.Tensor.numpy, torch.equal)
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        self.strict, self.names = strict, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-                    torch.Tensor.__float__, torch.Tensor.__index__):
-            raise AssertionError(f"host sync: {func.__name__}")
+        if func in self.READS:
+            if self.strict:
+                raise AssertionError(f"host sync: {func.__name__}")
+            self.names.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def _NoHostSync():
+    return _HostReads(strict=True)
 
 
 @pytest.mark.parametrize("rows", [3, 9])
@@ -303,3 +317,121 @@ def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, row
         with _NoHostSync():
             dense = eng._moe(mlp, h, None)
     assert torch.allclose(dense, sparse, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gathered-experts", "grouped-gemm"])
+def test_gpu_path_reads_only_the_sampled_tokens_on_the_host(engine, grouped, monkeypatch):
+    """Issue 27 item 11. On a GPU the engine's prefill and decode steps read nothing back from the device (the MoE
+    layers' routed experts and token counts, the cache lengths, the sampler's flags), so the host can queue a
+    step ahead; the one read per step is the sampled tokens with their logprobs (one transfer). Emulated on the
+    CPU by switching the GPU path on; tokens and logprobs equal the host-synced path's. `grouped`: the routed
+    experts as torch's grouped GEMM (the bf16 Hopper kernel; its CPU stand-in here), else each decode token's
+    experts gathered from the stacked weights."""
+    from megatron_ext.inference import engine as engine_module
+
+    eng, _ = engine
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (5, 11)]
+    cases = [([prompts[0]], SamplingParams(max_tokens=6, temperature=0.0, seed=0)),  # one sequence, greedy
+             (prompts, [SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=1),
+                        SamplingParams(max_tokens=4, temperature=0.0, seed=2)])]  # a batch; a row leaves early
+    for batch, params in cases:
+        expected = eng.generate(batch, params)
+        eng.host_sync_free = True
+        if grouped:
+            monkeypatch.setattr(engine_module, "_grouped_kernel", lambda x: True)
+        try:
+            with _HostReads() as reads:
+                got = eng.generate(batch, params)
+        finally:
+            eng.host_sync_free = None
+            monkeypatch.undo()
+        steps = max(len(c.token_ids) for c in got)
+        assert reads.names == ["tolist"] * steps
+        for a, b in zip(got, expected):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def _plan_costs(eng, costs):
+    """Injects measured costs for one draft position (restored by the caller's finally)."""
+    saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
+    eng.draft_costs[1] = costs
+    eng.speculation_decisions.clear()
+    return saved
+
+
+@pytest.mark.parametrize("case", ["cannot-pay", "pays", "acceptance-too-low"])
+def test_speculation_steps_aside_unless_drafting_pays(engine, case, caplog):
+    """Issue 32 item 3. Costs as measured at start-up (here given): a draft round of one MTP draft costs a
+    verify forward and a draft. Where even perfectly accepted drafts cannot beat plain steps, or the acceptance
+    observed so far cannot, `policy="auto"` decodes plainly (exactly plain greedy's tokens, nothing drafted) and
+    logs one line; where drafting pays it keeps speculating (lossless)."""
+    from megatron_ext.inference.speculative import DraftCosts, SpeculationStats, generate_speculative
+
+    eng, _ = engine
+    costs = {"cannot-pay": DraftCosts(main=1.0, verify=1.6, draft=0.5),  # 2 tokens for 2.1 steps at best
+             "pays": DraftCosts(main=1.0, verify=1.1, draft=0.1),  # 2 tokens for 1.2 steps at best
+             "acceptance-too-low": DraftCosts(main=1.0, verify=1.1, draft=0.1)}[case]
+    stats = SpeculationStats()
+    if case == "acceptance-too-low":  # 1 + 0.1 tokens per 1.2 steps
+        stats.checked_by_depth, stats.accepted_by_depth, stats.drafted, stats.accepted = [100], [10], 100, 10
+    drafted_before = stats.drafted
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    saved = _plan_costs(eng, costs)
+    try:
+        with caplog.at_level("INFO", logger="megatron_ext.inference.speculative"):
+            out = generate_speculative(eng, prompt, params, stats, policy="auto")
+            again = generate_speculative(eng, prompt, params, stats, policy="auto")
+    finally:
+        eng.draft_costs, eng.speculation_decisions = saved
+    plain = eng.generate([prompt], params)[0]
+    assert out.token_ids == again.token_ids == plain.token_ids
+    assert out.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert len(lines) == 1  # the decision, logged once
+    if case == "pays":
+        assert stats.plan.speculate and stats.plan.speedup == pytest.approx(2 / 1.2)
+        assert stats.drafted > 0 and "on:" in lines[0]
+    else:
+        assert not stats.plan.speculate and stats.plan.speedup < 1
+        assert stats.drafted == drafted_before and stats.main_forwards == 0
+        assert "off (decoding plainly)" in lines[0]
+
+
+def test_draft_costs_are_measured_once_per_engine(engine):
+    from megatron_ext.inference.speculative import DraftCosts, measure_draft_costs, plan_speculation
+
+    eng, _ = engine
+    assert DraftCosts(main=1.0, verify=1.0, draft=0.0).speedup([0.5, 0.5]) == pytest.approx(1.75)
+    costs = measure_draft_costs(eng, 1, repeats=2)
+    assert all(0 < getattr(costs, k) < 10 for k in ("main", "verify", "draft"))
+    saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
+    eng.draft_costs.clear()
+    try:
+        plan = plan_speculation(eng, 1)
+        assert eng.draft_costs[1] is plan.costs and plan_speculation(eng, 1).costs is plan.costs
+        assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > 1)
+    finally:
+        eng.draft_costs, eng.speculation_decisions = saved
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_sync_free_experts_skip_other_ranks_experts(grouped):
+    """Expert parallelism: a rank holding experts 4-7 of 8 sums only the (token, expert) pairs routed to its own
+    experts; pairs of other ranks' experts contribute nothing (their rows, sorted last, are computed but masked)."""
+    from megatron_ext.inference.engine import _moe_indexed, _swiglu
+
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(5, 8, generator=g)
+    chosen = torch.tensor([[0, 5], [4, 7], [1, 2], [6, 4], [7, 3]])
+    weights = torch.rand(5, 2, generator=g)
+    fc1, fc2 = torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g)  # 16-byte rows (grouped GEMM)
+    expected = torch.zeros_like(flat)
+    for t in range(5):
+        for e, w in zip(chosen[t].tolist(), weights[t].tolist()):
+            if 4 <= e < 8:
+                expected[t] += w * _swiglu(flat[t: t + 1], fc1[e - 4], fc2[e - 4])[0]
+    got = _moe_indexed(flat, chosen, weights, fc1, fc2, first=4, grouped=grouped)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,61 @@
+"""benchmarks/decode_throughput.py --check (issue 32 item 4): the recorded-figures parser and the comparison."""
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("decode_throughput",
+                                                  os.path.join(ROOT, "benchmarks", "decode_throughput.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLE = """## Decode speed
+
+| date | machine | measurement | result | goal |
+|---|---|---|---|---|
+| 2026-11-30 | VM | (b) MTP speculative | 0.77x, acceptance 0.611 | >= 1.8x |
+
+| date | machine | command | ratio | paired runs | notes |
+|---|---|---|---|---|---|
+| 2026-11-30 | VM | `python benchmarks/decode_throughput.py --only a --threads 2` | (a) 1.60x | 1.40-1.80 | x |
+| 2026-12-01 | VM | `nice -n 10 python benchmarks/decode_throughput.py --only a --threads 2 --repeats 9` | (a) 1.50x | 1.38-1.64 | y |
+| 2026-12-01 | VM | `python benchmarks/decode_throughput.py --only a --threads 1` | (a) 2.50x | 2.40-2.60 | other options |
+| 2026-12-01 | VM | `python benchmarks/decode_throughput.py --threads 2` | (b) 0.51x | 0.44-0.58 | z |
+
+Some prose | with a bar.
+"""
+
+
+def test_recorded_figures_are_parsed_from_tables_with_command_ratio_and_paired_columns(bench):
+    rows = bench.recorded_figures(TABLE)
+    assert [(date, fig.kind, fig.median, fig.lo, fig.hi) for date, _, fig in rows] == [
+        ("2026-11-30", "a", 1.60, 1.40, 1.80), ("2026-12-01", "a", 1.50, 1.38, 1.64),
+        ("2026-12-01", "a", 2.50, 2.40, 2.60), ("2026-12-01", "b", 0.51, 0.44, 0.58)]
+    assert rows[1][1].startswith("nice -n 10 python benchmarks/decode_throughput.py")
+
+
+def test_check_compares_with_the_last_figure_of_the_same_options(bench):
+    options = bench.options_of("python benchmarks/decode_throughput.py --threads 2 --check")
+    figures = [bench.Figure("a", 1.20, 1.10, 1.30), bench.Figure("b", 0.95, 0.90, 1.02)]
+    lines, fell = bench.compare(figures, options, TABLE)
+    # (a): the last --threads 2 record (1.50x, 1.38-1.64), not the --threads 1 one nor the older 1.60x
+    assert "recorded 2026-12-01 1.50x" in lines[0] and "MOVED DOWN by 0.30x" in lines[0] and fell
+    assert "recorded 2026-12-01 0.51x" in lines[1] and "moved up by 0.44x" in lines[1]
+    lines, fell = bench.compare([bench.Figure("a", 1.45, 1.3, 1.6)], options, TABLE)
+    assert "within the recorded paired-run range" in lines[0] and not fell
+    lines, fell = bench.compare([bench.Figure("b", 1.0, 0.9, 1.1)],
+                                bench.options_of("python benchmarks/decode_throughput.py --num-layers 16"), TABLE)
+    assert lines == ["check (b): no recorded figure for these options"] and not fell
+
+
+def test_check_refuses_a_command_that_is_not_this_benchmark(bench):
+    with pytest.raises(ValueError, match="not a decode_throughput.py command"):
+        bench.options_of("python benchmarks/kda.py --repeats 1")
