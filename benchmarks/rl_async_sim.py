@@ -554,6 +554,8 @@ def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
     design."""
     rows = []
     for design, flags, _ in DESIGNS:
+        if a.design and design not in a.design:
+            continue
         for n in SWEEP_WORKERS:
             sync = None
             for k in SWEEP_K:
@@ -668,7 +670,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for four designs: a markdown table")
+    p.add_argument("--design", action="append", default=[], choices=[d for d, _, _ in DESIGNS],
+                   help="with --sweep: only this design (repeatable)")
     p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
+    p.add_argument("--rows", action="append", default=[],
+                   help="the table (and --plot) from these files of the sweep's JSON lines instead of running it")
     p.add_argument("--validate", action="store_true", help="the runs measured on this machine, simulated")
     return p
 
@@ -723,9 +729,24 @@ def main(argv=None):
             print(f"| {r['run']} | {r['measured']:.2f} | {r['simulated']:.2f} | {100 * r['error']:+.0f}% | "
                   f"{r['uncontended']:.2f} |")
         return
+    if a.rows:
+        rows = {}
+        for path in a.rows:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("{"):
+                        r = json.loads(line)
+                        rows.setdefault((r["design"], r["workers"], r["staleness"]), r)
+        order = {d: i for i, (d, _, _) in enumerate(DESIGNS)}
+        rows = [rows[k] for k in sorted(rows, key=lambda k: (order[k[0]], k[1], k[2]))]
+        print(table(rows))
+        if a.plot:
+            plot(rows, a.plot)
+        return
     if a.sweep:
         argv = list(argv if argv is not None else sys.argv[1:])
-        extra = [x for x in argv if x not in ("--sweep", "--plot", a.plot, "--json")]
+        extra = [x for i, x in enumerate(argv) if x not in ("--sweep", "--plot", a.plot, "--json", "--design")
+                 and (i == 0 or argv[i - 1] != "--design")]
         rows = sweep(a, extra)
         print(table(rows))
         if a.plot:
