@@ -11,11 +11,14 @@ path); "speedup" is the ratio of their samples trained per second, counted after
 benchmarks/rl_async.py does).
 
 The model, and what it leaves out:
-- A worker is one inference engine replica running its requests one after another (the Ray `RolloutWorker` of
-  rl/workers.py), or --worker-concurrency C at once in one continuous batch (an SGLang-style server behind
-  rl/remote_fleet.py's request slots). A decode step takes --decode-latency x (1 + batch / --batch-knee) seconds,
-  the batch being every sequence the worker holds (C x prompts per request x G): larger batches give more tokens
-  per second but slower tokens. Prefill is not modelled.
+- A worker is one inference engine replica. --worker ray (default): the Ray `RolloutWorker` of rl/workers.py,
+  running up to --worker-concurrency of its requests at once (--rl-worker-concurrency; the rest of
+  --requests-per-worker queue), each request's episodes turn by turn in lockstep, every turn of every running
+  request that waits decoded as one engine batch (the worker's `Batcher`), environments stepped in sequence
+  (--parallel-tools: at once). --worker server: --worker-concurrency requests at once in one continuous batch,
+  every sequence on its own timeline (an SGLang-style server behind rl/remote_fleet.py's request slots). A decode
+  step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the sequences decoding: larger
+  batches give more tokens per second but slower tokens. Prefill is not modelled.
 - An episode is --turns model turns with a tool call after each but the last (latency lognormal, median
   --tool-latency, sigma --tool-sigma); its response length is lognormal (median --length-median, sigma
   --length-sigma) cut at --max-length, split evenly over the turns. A request ends with its longest episode.
@@ -24,8 +27,9 @@ The model, and what it leaves out:
   measured by the orchestrator's own accounting, not assumed. Tokens are carried in chunks of --token-quantum
   (their count, not their ids, is what the orchestrator's accounting touches); a rollout is the prompt's
   environment segment and one model segment per turn (tool outputs, never trained, are left out).
-- A request fails with probability --failure-rate at a uniform point of its run: the worker raises `WorkerLost`,
-  the orchestrator requeues its prompts and restarts it (--restart-s of virtual time).
+- A request fails with probability --failure-rate at a uniform point of its run (ray: after one of its turns, and
+  the worker loses every request it holds): the worker raises `WorkerLost`, the orchestrator requeues its prompts
+  and restarts it (--restart-s of virtual time).
 - The trainer's step takes --train-fixed-s + tokens trained x --train-token-s; publication takes
   --weights-gb / --bandwidth-gbs.
 
@@ -556,7 +560,7 @@ def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
     for design, flags, _ in DESIGNS:
         if a.design and design not in a.design:
             continue
-        for n in SWEEP_WORKERS:
+        for n in a.sweep_workers or SWEEP_WORKERS:
             sync = None
             for k in SWEEP_K:
                 b = parser().parse_args(extra + flags + ["--workers", str(n), "--staleness", str(k), "--steps",
@@ -673,6 +677,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--design", action="append", default=[], choices=[d for d, _, _ in DESIGNS],
                    help="with --sweep: only this design (repeatable)")
     p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
+    p.add_argument("--sweep-workers", type=int, action="append", default=[],
+                   help="with --sweep: only this N (repeatable)")
     p.add_argument("--rows", action="append", default=[],
                    help="the table (and --plot) from these files of the sweep's JSON lines instead of running it")
     p.add_argument("--validate", action="store_true", help="the runs measured on this machine, simulated")
@@ -745,8 +751,9 @@ def main(argv=None):
         return
     if a.sweep:
         argv = list(argv if argv is not None else sys.argv[1:])
-        extra = [x for i, x in enumerate(argv) if x not in ("--sweep", "--plot", a.plot, "--json", "--design")
-                 and (i == 0 or argv[i - 1] != "--design")]
+        own = ("--design", "--sweep-workers")
+        extra = [x for i, x in enumerate(argv) if x not in ("--sweep", "--plot", a.plot, "--json") + own
+                 and (i == 0 or argv[i - 1] not in own)]
         rows = sweep(a, extra)
         print(table(rows))
         if a.plot:
