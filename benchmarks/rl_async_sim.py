@@ -11,11 +11,14 @@ path); "speedup" is the ratio of their samples trained per second, counted after
 benchmarks/rl_async.py does).
 
 The model, and what it leaves out:
-- A worker is one inference engine replica running its requests one after another (the Ray `RolloutWorker` of
-  rl/workers.py), or --worker-concurrency C at once in one continuous batch (an SGLang-style server behind
-  rl/remote_fleet.py's request slots). A decode step takes --decode-latency x (1 + batch / --batch-knee) seconds,
-  the batch being every sequence the worker holds (C x prompts per request x G): larger batches give more tokens
-  per second but slower tokens. Prefill is not modelled.
+- A worker is one inference engine replica. --worker ray (default): the Ray `RolloutWorker` of rl/workers.py,
+  running up to --worker-concurrency of its requests at once (--rl-worker-concurrency; the rest of
+  --requests-per-worker queue), each request's episodes turn by turn in lockstep, every turn of every running
+  request that waits decoded as one engine batch (the worker's `Batcher`), environments stepped in sequence
+  (--parallel-tools: at once). --worker server: --worker-concurrency requests at once in one continuous batch,
+  every sequence on its own timeline (an SGLang-style server behind rl/remote_fleet.py's request slots). A decode
+  step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the sequences decoding: larger
+  batches give more tokens per second but slower tokens. Prefill is not modelled.
 - An episode is --turns model turns with a tool call after each but the last (latency lognormal, median
   --tool-latency, sigma --tool-sigma); its response length is lognormal (median --length-median, sigma
   --length-sigma) cut at --max-length, split evenly over the turns. A request ends with its longest episode.
@@ -24,8 +27,9 @@ The model, and what it leaves out:
   measured by the orchestrator's own accounting, not assumed. Tokens are carried in chunks of --token-quantum
   (their count, not their ids, is what the orchestrator's accounting touches); a rollout is the prompt's
   environment segment and one model segment per turn (tool outputs, never trained, are left out).
-- A request fails with probability --failure-rate at a uniform point of its run: the worker raises `WorkerLost`,
-  the orchestrator requeues its prompts and restarts it (--restart-s of virtual time).
+- A request fails with probability --failure-rate at a uniform point of its run (ray: after one of its turns, and
+  the worker loses every request it holds): the worker raises `WorkerLost`, the orchestrator requeues its prompts
+  and restarts it (--restart-s of virtual time).
 - The trainer's step takes --train-fixed-s + tokens trained x --train-token-s; publication takes
   --weights-gb / --bandwidth-gbs.
 
@@ -36,6 +40,7 @@ the staleness metrics), minus the simulated fleet's own time.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import heapq
 import json
@@ -80,8 +85,8 @@ class _Job:
 
 
 class SimFleet:
-    """The `Fleet` protocol of rl/orchestrator.py on a virtual clock: a request's run is drawn when it is submitted
-    and becomes an event at its end (or at its failure)."""
+    """The `Fleet` protocol of rl/orchestrator.py on a virtual clock, for continuous-batching servers (--worker
+    server): a request's run is drawn when it is submitted and becomes an event at its end (or at its failure)."""
 
     def __init__(self, a: argparse.Namespace, clock: Clock, version: int):
         self.a, self.clock, self.size = a, clock, a.workers
@@ -147,9 +152,13 @@ class SimFleet:
             return []
         if self.heap[0][0] > self.clock.now:
             self.clock.now = min(self.heap[0][0], self.clock.now + timeout)
+        return self._pop_ready(self.heap)
+
+    def _pop_ready(self, heap: list) -> list:
+        """The live handles of (time, handle) entries up to now."""
         ready = []
-        while self.heap and self.heap[0][0] <= self.clock.now:
-            _, h = heapq.heappop(self.heap)
+        while heap and heap[0][0] <= self.clock.now:
+            _, h = heapq.heappop(heap)
             if self._live(h):
                 ready.append(h)
         return ready
@@ -165,8 +174,7 @@ class SimFleet:
         if job.failed:
             raise WorkerLost("simulated worker failure")
         turns, q, n = a.turns, a.token_quantum, len(job.lengths)
-        per_turn = np.repeat((job.lengths // turns)[:, None], turns, axis=1)
-        per_turn += np.arange(turns)[None, :] < (job.lengths % turns)[:, None]
+        per_turn = _per_turn(job.lengths, turns)
         decode = per_turn * job.token_s
         begin = job.start + np.concatenate([np.zeros((n, 1)), np.cumsum(decode[:, :-1] + job.tools, axis=1)], 1)
         chunks = np.maximum(1, -(-per_turn // q)).reshape(-1)           # version tags per (sequence, turn)
@@ -174,24 +182,7 @@ class SimFleet:
         within = np.arange(chunks.sum()) - first
         times = np.repeat(begin.reshape(-1), chunks) + (within + 0.5) * np.repeat((decode.reshape(-1) / chunks),
                                                                                   chunks)
-        versions = self.version_at(times).tolist()
-        counts, groups, pos, k = chunks.tolist(), [], 0, 0
-        for i, task in enumerate(job.request.tasks):
-            rollouts = []
-            for j in range(a.group_size):
-                segments = [Segment([0], False)]
-                for turn in range(turns):
-                    c = counts[k * turns + turn]
-                    segments.append(Segment([1] * c, True, [0.0] * c, [0.0] * c, versions[pos:pos + c]))
-                    pos += c
-                rollouts.append(Rollout(task["id"], j, segments, "stop", Reward({"r": 0.0}, 0.0)))
-                k += 1
-            self.tokens[task["id"]] = int(job.lengths[i * a.group_size:(i + 1) * a.group_size].sum())
-            groups.append(Group(task["id"], rollouts))
-        pub_t = np.asarray(self.pub_t)
-        swaps = int(np.sum((pub_t > job.start) & (pub_t <= job.end)))
-        return RolloutResult(job.request.request_id, groups, int(self.version_at(np.asarray([job.start]))[0]),
-                             job.end - job.start, swaps=swaps)
+        return _result(self, job.request, job.lengths, chunks, times, job.start, job.end)
 
     @_timed
     def publish(self, version: int, weights) -> dict:
@@ -205,6 +196,222 @@ class SimFleet:
     def restart(self, worker: int, version: int, weights):
         self.generation[worker] += 1
         self.free_at[worker] = [self.clock.now + self.a.restart_s] * self.a.worker_concurrency
+
+
+def _per_turn(lengths: np.ndarray, turns: int) -> np.ndarray:
+    """[sequences, turns] response tokens: a sequence's length split evenly over its turns."""
+    per_turn = np.repeat((lengths // turns)[:, None], turns, axis=1)
+    per_turn += np.arange(turns)[None, :] < (lengths % turns)[:, None]
+    return per_turn
+
+
+def _result(fleet, request, lengths: np.ndarray, chunks: np.ndarray, times: np.ndarray, start: float,
+            end: float) -> RolloutResult:
+    """The request's groups as a worker returns them: per (sequence, turn) `chunks[k]` version tags, drawn at
+    `times` (in (sequence, turn, chunk) order) by the newest weights published by then."""
+    a, turns = fleet.a, fleet.a.turns
+    versions = fleet.version_at(times).tolist()
+    counts, groups, pos, k = chunks.tolist(), [], 0, 0
+    for i, task in enumerate(request.tasks):
+        rollouts = []
+        for j in range(a.group_size):
+            segments = [Segment([0], False)]
+            for turn in range(turns):
+                c = counts[k * turns + turn]
+                segments.append(Segment([1] * c, True, [0.0] * c, [0.0] * c, versions[pos:pos + c]))
+                pos += c
+            rollouts.append(Rollout(task["id"], j, segments, "stop", Reward({"r": 0.0}, 0.0)))
+            k += 1
+        fleet.tokens[task["id"]] = int(lengths[i * a.group_size:(i + 1) * a.group_size].sum())
+        groups.append(Group(task["id"], rollouts))
+    pub_t = np.asarray(fleet.pub_t)
+    swaps = int(np.sum((pub_t > start) & (pub_t <= end)))
+    return RolloutResult(request.request_id, groups, int(fleet.version_at(np.asarray([start]))[0]), end - start,
+                         swaps=swaps)
+
+
+@dataclass
+class _Held:
+    """A request a simulated Ray worker holds: its episodes advance turn by turn in lockstep (rl/rollout.py), each
+    turn one call into the worker's batcher."""
+    handle: int
+    worker: int
+    generation: int
+    request: object
+    per_turn: np.ndarray    # [sequences, turns] response tokens
+    tools: np.ndarray       # [sequences, turns - 1] tool seconds
+    lengths: np.ndarray
+    fail_turn: int          # the turn after which the worker dies (-1: none)
+    turn: int = 0
+    ready_at: float = 0.0   # its next call waits in the batcher from then
+    start: float = -1.0
+    end: float = 0.0
+    times: list = None      # per turn: [sequences, chunks] draw times, flattened
+    chunks: list = None
+
+
+class _EngineWorker:
+    def __init__(self):
+        self.held: list[_Held] = []                  # running (at most --worker-concurrency)
+        self.queue: collections.deque = collections.deque()
+        self.batch: list[_Held] = []                 # in the engine now
+        self.busy_until = 0.0
+        self.down_until = 0.0
+        self.dead = False
+        self.seq = -1
+
+
+class RayWorkerFleet(SimFleet):
+    """Ray rollout workers as rl/workers.py runs them (--worker ray): a worker runs up to --worker-concurrency of
+    its requests at once (the rest wait in its queue); each request's episodes take their turns in lockstep (one
+    generate call per turn); the batcher runs every call waiting once all running requests have one waiting (or
+    --batch-wait-s after the first), as one engine batch whose rows leave as they finish; a call arriving while a
+    batch decodes waits for the next. After a turn the request steps its environments one after another (tool
+    calls in sequence, as run_groups does; --parallel-tools: at once). A batch whose rows have lengths L_i takes
+    decode-latency x (max L + sum L / batch-knee) (each decode step costs 1 + rows still in it / knee), and a
+    token k of any row is drawn at the matching point of it, so in-flight swaps tag tokens by the step they fall
+    in. Failures kill the worker at the end of a turn: all its requests are lost."""
+
+    def __init__(self, a: argparse.Namespace, clock: Clock, version: int):
+        super().__init__(a, clock, version)
+        self.workers = [_EngineWorker() for _ in range(a.workers)]
+        self.events: list = []          # (time, worker, seq): a worker's next batch end or dispatch
+        self.done: list = []            # (time, handle): requests finished or failed
+        self.failed: set[int] = set()
+        self.engine_busy_s = 0.0
+        self._seq = 0
+        self.batch_rows: collections.Counter = collections.Counter()  # engine batches by their rows
+
+    def _advance(self, until: float):
+        while self.events and self.events[0][0] <= until:
+            t, w, seq = heapq.heappop(self.events)
+            if seq == self.workers[w].seq:
+                self._step(w, t)
+
+    def _schedule(self, w: int, now: float):
+        wk = self.workers[w]
+        self._seq += 1
+        wk.seq = self._seq
+        if wk.dead:
+            return
+        if wk.batch:
+            t = wk.busy_until
+        elif wk.held:
+            ready = [h.ready_at for h in wk.held]
+            t = max(min(max(ready), min(ready) + self.a.batch_wait_s), now)
+        else:
+            return
+        heapq.heappush(self.events, (t, w, wk.seq))
+
+    def _activate(self, wk: _EngineWorker, now: float):
+        while wk.queue and len(wk.held) < self.a.worker_concurrency:
+            h = wk.queue.popleft()
+            h.start = h.ready_at = max(now, wk.down_until)
+            wk.held.append(h)
+
+    def _step(self, w: int, t: float):
+        a, wk = self.a, self.workers[w]
+        if wk.batch and t >= wk.busy_until:
+            for h in wk.batch:
+                h.turn += 1
+                if h.turn - 1 == h.fail_turn:  # the process dies: every request it holds is lost
+                    heapq.heappush(self.done, (t, h.handle))
+                    self.failed.add(h.handle)
+                    self.busy_s += t - h.start
+                    wk.dead, wk.batch, wk.held = True, [], []
+                    wk.queue.clear()
+                    wk.seq = -1
+                    return
+                if h.turn == a.turns:
+                    heapq.heappush(self.done, (t, h.handle))
+                    self.busy_s += t - h.start
+                    h.end = t
+                    wk.held.remove(h)
+                else:
+                    tools = h.tools[:, h.turn - 1]
+                    h.ready_at = t + float(tools.max() if a.parallel_tools else tools.sum())
+            wk.batch = []
+            self._activate(wk, t)
+        if not wk.batch and wk.held:
+            ready = [h.ready_at for h in wk.held]
+            if t >= min(max(ready), min(ready) + a.batch_wait_s):
+                self._start_batch(wk, [h for h in wk.held if h.ready_at <= t], t)
+        self._schedule(w, t)
+
+    def _start_batch(self, wk: _EngineWorker, batch: list, t: float):
+        a, q = self.a, self.a.token_quantum
+        L = np.concatenate([h.per_turn[:, h.turn] for h in batch])
+        dl = a.decode_latency
+        duration = dl * (float(L.max()) + float(L.sum()) / a.batch_knee)
+        srt = np.sort(L)
+        prefix = np.concatenate([[0], np.cumsum(srt)])
+        for h in batch:
+            Lr = h.per_turn[:, h.turn]
+            chunks = np.maximum(1, -(-Lr // q))
+            row = np.repeat(np.arange(len(Lr)), chunks)
+            within = np.arange(chunks.sum()) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+            k = (within + 0.5) * (Lr[row] / chunks[row])                 # the decode step of each tag's token
+            idx = np.searchsorted(srt, k)
+            drawn = prefix[idx] + k * (len(srt) - idx)                   # rows' tokens decoded up to that step
+            h.times.append((t + dl * (k + drawn / a.batch_knee), chunks))
+        wk.batch, wk.busy_until = batch, t + duration
+        self.batch_rows[len(L)] += 1
+        self.engine_busy_s += duration
+
+    @SimFleet._timed
+    def submit(self, worker: int, request) -> int:
+        a, now = self.a, self.clock.now
+        self._advance(now)
+        n = len(request.tasks) * a.group_size
+        lengths, tools = self._draw(n)
+        fail_turn = int(self.rng.integers(a.turns)) if self.rng.random() < a.failure_rate else -1
+        self._ids += 1
+        h = _Held(self._ids, worker, self.generation[worker], request, _per_turn(lengths, a.turns), tools, lengths,
+                  fail_turn, times=[])
+        self.jobs[self._ids] = h
+        wk = self.workers[worker]
+        if not wk.dead:
+            wk.queue.append(h)
+            self._activate(wk, now)
+            if not wk.batch:
+                self._schedule(worker, now)
+        return self._ids
+
+    @SimFleet._timed
+    def wait(self, handles: list, timeout: float) -> list:
+        """Every request finished by now; if none, the clock moves to the next finish (at most `timeout` ahead)."""
+        limit = self.clock.now + timeout
+        while True:
+            while self.done and not self._live(self.done[0][1]):
+                heapq.heappop(self.done)
+            first = self.done[0][0] if self.done else math.inf
+            if self.events and self.events[0][0] <= min(first, limit):
+                self._advance(self.events[0][0])
+                continue
+            break
+        if first > limit:
+            self.clock.now = limit
+            return []
+        self.clock.now = max(self.clock.now, first)
+        return self._pop_ready(self.done)
+
+    @SimFleet._timed
+    def result(self, handle: int) -> RolloutResult:
+        h = self.jobs.pop(handle)
+        if handle in self.failed:
+            self.failed.discard(handle)
+            raise WorkerLost("simulated worker failure")
+        n, turns = len(h.lengths), self.a.turns
+        chunks = np.stack([c for _, c in h.times], axis=1)             # [sequences, turns]
+        per_turn_times = [np.split(t, np.cumsum(c)[:-1]) for t, c in h.times]
+        times = np.concatenate([per_turn_times[turn][i] for i in range(n) for turn in range(turns)])
+        return _result(self, h.request, h.lengths, chunks.reshape(-1), times, h.start, h.end)
+
+    @SimFleet._timed
+    def restart(self, worker: int, version: int, weights):
+        self.generation[worker] += 1
+        wk = self.workers[worker] = _EngineWorker()
+        wk.down_until = self.clock.now + self.a.restart_s
 
 
 def simulate(a: argparse.Namespace, staleness: int) -> dict:
@@ -222,7 +429,7 @@ def simulate(a: argparse.Namespace, staleness: int) -> dict:
 
 def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
     clock = Clock()
-    fleet = SimFleet(a, clock, version=0)
+    fleet = (RayWorkerFleet if a.worker == "ray" else SimFleet)(a, clock, version=0)
     P = a.prompts_per_step
     tasks = [{"id": f"p{i}"} for i in range(P * a.steps)]
     ledger = Ledger([t["id"] for t in tasks], log_dir=log_dir)
@@ -262,6 +469,8 @@ def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
     return {"samples_per_s": trained_samples / wall, "wall_s": clock.now, "step_s": wall / (a.steps - 1),
             "trainer_idle": waited / wall,
             "worker_utilisation": fleet.busy_s / (clock.now * a.workers * a.worker_concurrency),
+            "engine_busy": getattr(fleet, "engine_busy_s", math.nan) / (clock.now * a.workers),
+            "engine_batch_rows": dict(sorted(getattr(fleet, "batch_rows", {}).items())),
             "staleness_max": int(len(hist) - 1), "staleness_hist": (hist / max(hist.sum(), 1)).round(4).tolist(),
             "prompts_trained_once": sorted(counts) == sorted(t["id"] for t in tasks) and
             set(counts.values()) == {1} and ledger.exhausted,
@@ -334,19 +543,24 @@ def validate(seed: int = 0) -> list[dict]:
 
 
 SWEEP_WORKERS = (64, 256, 1024, 4096)
+DESIGNS = (("Ray workers", [], "-o"), ("Ray workers, late binding", ["--requests-per-worker", "1"], ":^"),
+           ("Ray workers batching x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"], "-.D"),
+           ("batching servers x4", ["--worker", "server", "--requests-per-worker", "4", "--worker-concurrency", "4"],
+            "--s"))
 SWEEP_K = (0, 1, 2, 3, 4)
 
 
 def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
-    """N x K at the default (long-tailed) settings, for Ray workers (one request at a time) and for batching
-    servers (--requests-per-worker 4 --worker-concurrency 4), and for Ray workers given one request at a time
-    (--requests-per-worker 1: none waits in a worker's queue behind a long one); one synchronous run per N and
+    """N x K at the default (long-tailed) settings for four designs: Ray workers running one request at a time
+    with one queued (the default flags), the same with one request per worker (--requests-per-worker 1, late
+    binding), Ray workers batching four requests (--rl-requests-per-worker 4 --rl-worker-concurrency 4), and
+    continuous-batching servers with four request slots each (--worker server); one synchronous run per N and
     design."""
     rows = []
-    designs = (("Ray workers", []), ("Ray workers, late binding", ["--requests-per-worker", "1"]),
-               ("batching servers x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"]))
-    for design, flags in designs:
-        for n in SWEEP_WORKERS:
+    for design, flags, _ in DESIGNS:
+        if a.design and design not in a.design:
+            continue
+        for n in a.sweep_workers or SWEEP_WORKERS:
             sync = None
             for k in SWEEP_K:
                 b = parser().parse_args(extra + flags + ["--workers", str(n), "--staleness", str(k), "--steps",
@@ -363,12 +577,13 @@ def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| design | N | K | speedup | trainer idle | worker util | staleness histogram (0, 1, ..) | "
-            "orchestrator CPU ms/sample |\n|---|---|---|---|---|---|---|---|\n")
+    head = ("| design | N | K | speedup | trainer idle | worker util | engine busy | staleness histogram (0, 1, ..) | "
+            "orchestrator CPU ms/sample |\n|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['design']} | {r['workers']} | {r['staleness']} | {r['speedup']:.2f} | {r['trainer_idle']:.2f} | "
-        f"{r['worker_utilisation']:.2f} | {' / '.join(f'{x:.2f}' for x in r['staleness_hist'])} | "
-        f"{r['orchestrator_cpu_ms_per_sample']:.3f} |\n" for r in rows)
+        f"{r['worker_utilisation']:.2f} | {'-' if math.isnan(r['engine_busy']) else format(r['engine_busy'], '.2f')} | "
+        f"{' / '.join(f'{x:.2f}' for x in r['staleness_hist'])} | {r['orchestrator_cpu_ms_per_sample']:.3f} |\n"
+        for r in rows)
 
 
 def plot(rows: list[dict], path: str):
@@ -378,8 +593,7 @@ def plot(rows: list[dict], path: str):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    designs = (("Ray workers", "-o"), ("Ray workers, late binding", ":^"), ("batching servers x4", "--s"))
-    for d, (design, style) in enumerate(designs):
+    for d, (design, _, style) in enumerate(DESIGNS):
         for i, n in enumerate(SWEEP_WORKERS):
             rs = [r for r in rows if r["design"] == design and r["workers"] == n]
             if not rs:
@@ -392,8 +606,8 @@ def plot(rows: list[dict], path: str):
             if n == 1024:
                 for r in rs:
                     h = r["staleness_hist"]
-                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.05 * d, h, width=0.05,
-                                color=f"C{r['staleness']}", alpha=(1.0, 0.7, 0.4)[d],
+                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.04 * d, h, width=0.04,
+                                color=f"C{r['staleness']}", alpha=(1.0, 0.75, 0.5, 0.3)[d],
                                 label=f"K={r['staleness']}" if d == 0 else None)
         rs = [r for r in rows if r["design"] == design and r["staleness"] == 2]
         axes[3].plot([r["workers"] for r in rs], [r["orchestrator_cpu_ms_per_sample"] for r in rs], style,
@@ -422,14 +636,23 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-request", type=int, default=1, help="--rl-prompts-per-request")
     g.add_argument("--requests-per-worker", type=int, default=2,
                    help="requests the orchestrator keeps in flight per worker (its requests_per_worker)")
+    g.add_argument("--worker", choices=("ray", "server"), default="ray",
+                   help="ray: rl/workers.py's Ray worker (turns batched across its running requests); server: a "
+                        "continuous-batching server behind --rl-remote-servers slots (every sequence on its own)")
     g.add_argument("--worker-concurrency", type=int, default=1,
-                   help="requests a worker runs at once in one batch (1: the Ray worker, the rest queue; "
-                        "= --requests-per-worker: a batching server behind --rl-remote-servers slots)")
+                   help="requests a worker runs at once (--rl-worker-concurrency; server: its batch), the rest of "
+                        "--requests-per-worker wait in its queue")
+    g.add_argument("--batch-wait-s", type=float, default=0.05,
+                   help="ray: a turn waits this long at most for the worker's other requests (WorkerConfig)")
+    g.add_argument("--parallel-tools", action="store_true",
+                   help="ray: a request's episodes call their tools at once (run_groups steps them in sequence)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("rollouts")
-    g.add_argument("--length-median", type=float, default=4096.0, help="response tokens per episode, median")
-    g.add_argument("--length-sigma", type=float, default=1.0, help="lognormal sigma of the response length")
-    g.add_argument("--max-length", type=int, default=32768, help="response length cap (--grpo-max-response-length)")
+    g.add_argument("--length-median", type=float, default=26000.0,
+                   help="tokens per episode, median (fitted to published SWE-agent trajectory lengths: "
+                        "docs/benchmarks.md, issue 29)")
+    g.add_argument("--length-sigma", type=float, default=0.56, help="lognormal sigma of the episode length (fitted)")
+    g.add_argument("--max-length", type=int, default=131072, help="response length cap (--grpo-max-response-length)")
     g.add_argument("--turns", type=int, default=8, help="model turns per episode (a tool call between two)")
     g.add_argument("--tool-latency", type=float, default=2.0, help="seconds per tool call, median")
     g.add_argument("--tool-sigma", type=float, default=1.0)
@@ -438,7 +661,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--failure-rate", type=float, default=0.001, help="probability that a request's worker dies")
     g.add_argument("--restart-s", type=float, default=60.0, help="seconds to replace a lost worker")
     g.add_argument("--request-timeout", type=float, default=86400.0, help="--rl-rollout-timeout")
-    g.add_argument("--token-quantum", type=int, default=256, help="tokens per version tag carried (accounting)")
+    g.add_argument("--token-quantum", type=int, default=2048, help="tokens per version tag carried (accounting)")
     g = p.add_argument_group("trainer")
     g.add_argument("--train-token-s", type=float, default=1.5e-6, help="trainer seconds per response token")
     g.add_argument("--train-fixed-s", type=float, default=5.0, help="trainer seconds per step besides tokens")
@@ -450,8 +673,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--weights-gb", type=float, default=1040.0, help="bytes published per step (GB)")
     g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for three designs: a markdown table")
+    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for four designs: a markdown table")
+    p.add_argument("--design", action="append", default=[], choices=[d for d, _, _ in DESIGNS],
+                   help="with --sweep: only this design (repeatable)")
     p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
+    p.add_argument("--sweep-workers", type=int, action="append", default=[],
+                   help="with --sweep: only this N (repeatable)")
+    p.add_argument("--rows", action="append", default=[],
+                   help="the table (and --plot) from these files of the sweep's JSON lines instead of running it")
     p.add_argument("--validate", action="store_true", help="the runs measured on this machine, simulated")
     return p
 
@@ -469,6 +698,8 @@ def check(a: argparse.Namespace):
     for name in ("length_median", "decode_latency", "batch_knee", "bandwidth_gbs"):
         if getattr(a, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    if a.batch_wait_s < 0:
+        raise SystemExit("--batch-wait-s must be >= 0")
     if not 0 <= a.failure_rate < 1:
         raise SystemExit("--failure-rate must be in [0, 1)")
     a.prompts_per_step = a.prompts_per_step or a.workers
@@ -504,9 +735,25 @@ def main(argv=None):
             print(f"| {r['run']} | {r['measured']:.2f} | {r['simulated']:.2f} | {100 * r['error']:+.0f}% | "
                   f"{r['uncontended']:.2f} |")
         return
+    if a.rows:
+        rows = {}
+        for path in a.rows:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("{"):
+                        r = json.loads(line)
+                        rows.setdefault((r["design"], r["workers"], r["staleness"]), r)
+        order = {d: i for i, (d, _, _) in enumerate(DESIGNS)}
+        rows = [rows[k] for k in sorted(rows, key=lambda k: (order[k[0]], k[1], k[2]))]
+        print(table(rows))
+        if a.plot:
+            plot(rows, a.plot)
+        return
     if a.sweep:
         argv = list(argv if argv is not None else sys.argv[1:])
-        extra = [x for x in argv if x not in ("--sweep", "--plot", a.plot, "--json")]
+        own = ("--design", "--sweep-workers")
+        extra = [x for i, x in enumerate(argv) if x not in ("--sweep", "--plot", a.plot, "--json") + own
+                 and (i == 0 or argv[i - 1] not in own)]
         rows = sweep(a, extra)
         print(table(rows))
         if a.plot:

@@ -109,6 +109,11 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "to the first free worker (none waits behind a long rollout: better under long-tailed "
                         "lengths). With --rl-remote-servers a slot's requests run together in its server's batch, "
                         "so more means more concurrency (benchmarks/rl_async_sim.py, docs/benchmarks.md)")
+    a.add_argument("--rl-worker-concurrency", type=int, default=1,
+                   help="requests a Ray rollout worker runs at once, their turns decoded together in one engine "
+                        "batch (the rest of --rl-requests-per-worker wait in its queue). 1: one after another. "
+                        "More keeps the engine's batch full while one request's long tail finishes "
+                        "(docs/benchmarks.md, issue 29)")
     a.add_argument("--rl-rollout-timeout", type=float, default=600.0,
                    help="seconds a worker may work on one request before it is killed, replaced and its prompts "
                         "requeued")
@@ -173,6 +178,12 @@ def validate_rl_args(args: argparse.Namespace):
         fail("--rl-rollout-workers, --rl-max-staleness and --rl-prompts-per-request must be >= 0")
     if args.rl_requests_per_worker < 1:
         fail(f"--rl-requests-per-worker must be >= 1, got {args.rl_requests_per_worker}")
+    if not 1 <= args.rl_worker_concurrency <= args.rl_requests_per_worker:
+        fail(f"--rl-worker-concurrency {args.rl_worker_concurrency} must be between 1 and --rl-requests-per-worker "
+             f"({args.rl_requests_per_worker}): a worker cannot run more requests than it is given")
+    if args.rl_worker_concurrency > 1 and (args.rl_remote_servers or not args.rl_rollout_workers):
+        fail("--rl-worker-concurrency applies to Ray rollout workers (--rl-rollout-workers without "
+             "--rl-remote-servers; a remote server batches a slot's requests itself: raise --rl-requests-per-worker)")
     if args.rl_rollout_workers:
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup trains on reference answers, nothing to generate: drop --rl-rollout-workers")
@@ -226,7 +237,7 @@ def fleet_config(args: argparse.Namespace):
         return None
     return FleetConfig(workers=args.rl_rollout_workers, max_staleness=args.rl_max_staleness,
                        ray_address=args.ray_address, prompts_per_request=args.rl_prompts_per_request,
-                       requests_per_worker=args.rl_requests_per_worker,
+                       requests_per_worker=args.rl_requests_per_worker, concurrency=args.rl_worker_concurrency,
                        request_timeout_s=args.rl_rollout_timeout, env_timeout_s=args.rl_env_timeout,
                        delta=not args.rl_publish_full)
 

@@ -367,7 +367,9 @@ class Orchestrator:
                "request latency s": float(np.mean(s.request_latency)) if s.request_latency else 0.0,
                "seconds gate blocked": s.gate_blocked_s + (now - self._blocked_since if self._blocked_since else 0),
                "seconds batch wait": waited,
-               "worker utilisation": min(1.0, s.busy_s / (wall * self.fleet.size)),
+               # per request lane: a worker running C requests at once (--rl-worker-concurrency) has C lanes
+               "worker utilisation": min(1.0, s.busy_s / (wall * self.fleet.size * getattr(self.fleet, "concurrency",
+                                                                                             1))),
                "weight swaps in flight": float(s.swaps), "requeued prompts": float(s.requeued),
                "worker restarts": float(s.restarts)}
         if s.speculation.get("drafted"):  # --rl-speculative on the workers

@@ -8,6 +8,7 @@ environment segments, the sampler's tokens as model segments, exactly as produce
 
 from __future__ import annotations
 
+import collections
 import math
 
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class EngineGenerate:
     def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None):
         self.engine, self.speculative, self.draft_depth = engine, speculative, draft_depth
         self.stats = None
+        self.batch_rows: collections.Counter = collections.Counter()  # rows of an engine batch -> batches
         if speculative:
             from megatron_ext.inference.speculative import SpeculationStats
 
@@ -56,19 +58,35 @@ class EngineGenerate:
             self.stats = SpeculationStats()
 
     def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
+        return self.many([(prompts, n, sampling)])[0]
+
+    def many(self, calls: list[tuple[list[list[int]], int, Sampling]]) -> list[list[list[Sample]]]:
+        """Several generate calls (each `(prompts, n, sampling)`) as one engine batch: a multi-turn episode's next
+        turns, or the turns of several requests a rollout worker holds. Each call keeps its own seeds, so its
+        samples are those it would draw alone; `batch_rows` counts the engine batches by their rows."""
         from megatron_ext.inference.engine import SamplingParams
 
-        params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
-                                stop_token_ids=tuple(sampling.stop_token_ids),
-                                return_routing=sampling.return_routing)
-        if sampling.seed is not None:
-            params = [SamplingParams(**{**vars(params), "seed": sampling.seed + i * n}) for i in range(len(prompts))]
+        prompts, counts, params = [], [], []
+        for p, n, sampling in calls:
+            base = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                                  stop_token_ids=tuple(sampling.stop_token_ids),
+                                  return_routing=sampling.return_routing)
+            for i in range(len(p)):
+                params.append(base if sampling.seed is None else
+                              SamplingParams(**{**vars(base), "seed": sampling.seed + i * n}))
+            prompts += p
+            counts += [n] * len(p)
+        self.batch_rows[sum(counts)] += 1
         if self.speculative:
-            groups = self._speculative(prompts, n, params)
+            flat = self._speculative(prompts, counts, params)
         else:
-            groups = self.engine.generate_groups(prompts, n, params)
-        return [[self._sample(c) for c in g] for g in groups]
+            flat = self.engine.generate_groups(prompts, counts, params)
+        out, k = [], 0
+        for p, _, _ in calls:
+            out.append([[self._sample(c) for c in g] for g in flat[k:k + len(p)]])
+            k += len(p)
+        return out
 
     def _speculative(self, prompts, n, params):
         from megatron_ext.inference.speculative_batch import generate_speculative_groups
@@ -159,14 +177,16 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
             follow.append((i, j))
         if not follow:
             break
-        more = []
+        calls = []
         for i, j in follow:
             ctx = [t for s in chains[i][j][-1] for t in s.token_ids]
             left = budget - used(i, j)
             sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, left),
                                    "seed": None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * turn + i * g + j})
-            more.append((i, j, generate([ctx], 1, sampling)[0][0]))
-        active = more
+            calls.append(([ctx], 1, sampling))
+        many = getattr(generate, "many", None)  # the turn's episodes in one batch where the generator can
+        outs = many(calls) if many is not None else [generate(*c) for c in calls]
+        active = [(i, j, out[0][0]) for (i, j), out in zip(follow, outs)]
     groups = []
     for i, t in enumerate(tasks):
         rollouts = []

@@ -302,7 +302,8 @@ class RLTrainer:
             weights = partial(model_weights, self.model[0])
             self.fleet = RayFleet(fc.workers, wcfg, backend_factory, self.make_env, self.iteration, weights,
                                   delta=fc.delta, num_gpus=1.0 if torch.cuda.is_available() else 0.0, log=self.log,
-                                  path_of=self._remote_path if self._fleet_by_path() else None)
+                                  path_of=self._remote_path if self._fleet_by_path() else None,
+                                  concurrency=fc.concurrency)
         ocfg = OrchestratorConfig(cfg.prompts_per_step, fc.max_staleness, fc.per_request(cfg.prompts_per_step),
                                   requests_per_worker=fc.requests_per_worker,
                                   request_timeout_s=fc.request_timeout_s, seed=self.args.seed)

@@ -48,6 +48,7 @@ class FleetConfig:
     ray_address: Optional[str] = None
     prompts_per_request: int = 0       # 0: prompts per step / (2 x workers), at least 1
     requests_per_worker: int = 2       # in flight per worker (--rl-requests-per-worker)
+    concurrency: int = 1               # of those, decoded together by a worker (--rl-worker-concurrency)
     request_timeout_s: float = 600.0
     env_timeout_s: float = 300.0
     delta: bool = True                 # publish only changed tensors when that is fewer bytes
@@ -62,6 +63,7 @@ class WorkerConfig:
     std_normalize: bool = False
     env_timeout_s: float = 300.0   # an environment call (step / score) running longer ends its episode
     threads: int = 1               # torch intra-op threads of the worker process
+    batch_wait_s: float = 0.05     # a turn waits this long at most for the worker's other requests to join its batch
 
 
 # ---- weights across processes ------------------------------------------------------------------------------
@@ -198,6 +200,83 @@ class EngineBackendFactory:
         return EngineBackend(self.model_args, self.speculative, self.draft_depth)
 
 
+# ---- several requests, one engine ----------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    calls: list
+    since: float
+    out: Any = None
+    done: bool = False
+
+
+class Batcher:
+    """The generate calls of every request a worker holds, decoded as one engine batch (--rl-worker-concurrency).
+
+    Each request runs its episodes on its own thread; a turn's call waits here until every request the worker
+    holds has a call waiting too (or `wait_s` passed: one in a tool call does not hold the others up), then one of
+    the waiting threads runs them all through `run` while calls that arrive meanwhile gather for the next batch.
+    Only that thread touches the engine, so weights are swapped (`before`, and the engine's between-steps hook)
+    between decode steps of a batch, never inside one, and every token still records the version that drew it."""
+
+    def __init__(self, run: Callable[[list], list], before: Callable[[], Any], wait_s: float):
+        self.run, self.before, self.wait_s = run, before, wait_s
+        self._cond = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._holders = 0
+        self._busy = False
+
+    def hold(self, delta: int):
+        """A request arrives at (+1) or leaves (-1) the worker."""
+        with self._cond:
+            self._holders += delta
+            self._cond.notify_all()
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def __call__(self, prompts, n, sampling):
+        return self.many([(prompts, n, sampling)])[0]
+
+    def many(self, calls: list) -> list:
+        me = _Pending(calls, time.monotonic())
+        with self._cond:
+            self._pending.append(me)
+            self._cond.notify_all()
+            while not me.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                left = self._pending[0].since + self.wait_s - time.monotonic()
+                if len(self._pending) < self._holders and left > 0:
+                    self._cond.wait(left)
+                    continue
+                batch, self._pending, self._busy = self._pending, [], True
+                self._cond.release()
+                try:
+                    self._lead(batch)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    self._cond.notify_all()
+        if isinstance(me.out, BaseException):
+            raise me.out
+        return me.out
+
+    def _lead(self, batch: list[_Pending]):
+        try:
+            self.before()
+            outs = self.run([c for p in batch for c in p.calls])
+        except BaseException as e:  # noqa: BLE001 (every request of the batch fails with it)
+            outs = [e] * sum(len(p.calls) for p in batch)
+        k = 0
+        for p in batch:
+            got = outs[k:k + len(p.calls)]
+            k += len(p.calls)
+            p.out = next((o for o in got if isinstance(o, BaseException)), got)
+            p.done = True
+
+
 # ---- the worker ---------------------------------------------------------------------------------------------
 class RolloutWorker:
     """One rollout worker process (a Ray actor: `rollout` on the default thread, `stage` on a second one)."""
@@ -216,6 +295,9 @@ class RolloutWorker:
         self._swaps, self._swap_s = 0, 0.0
         if hasattr(self.backend, "set_between_steps"):
             self.backend.set_between_steps(self._swap)
+        gen = self.backend.generate
+        many = getattr(gen, "many", None) or (lambda calls: [gen(*c) for c in calls])
+        self.batcher = Batcher(many, self._swap, cfg.batch_wait_s)
 
     def pid(self) -> int:
         return os.getpid()
@@ -250,16 +332,29 @@ class RolloutWorker:
         self._swap_s += time.perf_counter() - t0
         return True
 
-    def _generate(self, prompts, n, sampling):
-        self._swap()  # each turn starts on the newest weights received
-        return self.backend.generate(prompts, n, sampling)
-
     def generate(self, prompts: list[list[int]], n: int, sampling) -> list:
         """One generate request outside the orchestrator's rollouts (e.g. a sub-agent's turn): the GenerateFn
-        signature, on the newest weights this worker has."""
-        return self._generate(prompts, n, sampling)
+        signature, on the newest weights this worker has (in the batch of the rollouts running beside it)."""
+        return self.batcher(prompts, n, sampling)
+
+    def held(self) -> int:
+        """Requests this worker is running now."""
+        return self.batcher.holders
+
+    def engine_batches(self) -> dict[int, int]:
+        """Engine batches so far by their rows (samples decoded together)."""
+        return dict(getattr(self.backend.generate, "batch_rows", {}))
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
+        """One request's groups; with --rl-worker-concurrency C, up to C of these run at once on the actor's
+        threads and their turns share engine batches (`Batcher`)."""
+        self.batcher.hold(1)
+        try:
+            return self._rollout(request)
+        finally:
+            self.batcher.hold(-1)
+
+    def _rollout(self, request: RolloutRequest) -> RolloutResult:
         with self._cond:  # weights at least as new as the trainer's when the request was dispatched
             def ready():
                 staged = -1 if self._staged_version is None else self._staged_version
@@ -268,13 +363,14 @@ class RolloutWorker:
                 raise RuntimeError(f"weights version {request.min_version} never reached this worker")
         t0 = time.perf_counter()
         swaps0, swap_s0 = self._swaps, self._swap_s
-        self._swap()
-        start = self.backend.version
         ep = self.cfg.episode
         episode = replace(ep, sampling=replace(ep.sampling, seed=request.seed))
         make_env = (lambda: TimedEnv(self.make_env(), self.cfg.env_timeout_s)) if self.cfg.env_timeout_s else \
             self.make_env
-        groups = run_groups(request.tasks, make_env, self._generate, episode, self.cfg.std_normalize)
+        groups = run_groups(request.tasks, make_env, self.batcher, episode, self.cfg.std_normalize)
+        # the first tokens are drawn by the oldest weights the request saw (the batch's leader swaps, not this thread)
+        versions = [v for g in groups for r in g.rollouts for s in r.segments if s.trainable for v in s.versions]
+        start = min(versions) if versions else self.backend.version
         pop = getattr(self.backend.generate, "pop_speculation", None)
         return RolloutResult(request.request_id, groups, start, time.perf_counter() - t0, self._swaps - swaps0,
                              self._swap_s - swap_s0, pop() if pop else {})
@@ -350,8 +446,9 @@ def start_ray(address: Optional[str], num_cpus: int, log=print):
         f"({ray.cluster_resources().get('CPU', 0):g} CPUs)", flush=True)
 
 
-def _actor_class(ray):
-    """RolloutWorker as a Ray actor whose `stage` runs on its own thread, beside `rollout`."""
+def _actor_class(ray, concurrency: int = 1):
+    """RolloutWorker as a Ray actor whose `stage` runs on its own thread, beside `concurrency` threads of
+    `rollout` (and single `generate` calls)."""
 
     class _RayRolloutWorker(RolloutWorker):
         @ray.method(concurrency_group="weights")
@@ -362,7 +459,23 @@ def _actor_class(ray):
         def pid(self) -> int:  # answered while a rollout runs
             return super().pid()
 
-    return ray.remote(concurrency_groups={"weights": 1})(_RayRolloutWorker)
+        @ray.method(concurrency_group="weights")
+        def held(self) -> int:
+            return super().held()
+
+        @ray.method(concurrency_group="weights")
+        def engine_batches(self) -> dict[int, int]:
+            return super().engine_batches()
+
+        @ray.method(concurrency_group="rollouts")
+        def rollout(self, request: RolloutRequest) -> RolloutResult:
+            return super().rollout(request)
+
+        @ray.method(concurrency_group="rollouts")
+        def generate(self, prompts: list[list[int]], n: int, sampling) -> list:
+            return super().generate(prompts, n, sampling)
+
+    return ray.remote(concurrency_groups={"weights": 1, "rollouts": concurrency})(_RayRolloutWorker)
 
 
 def _replica_gpus(model_args) -> tuple[int, str]:
@@ -382,15 +495,15 @@ class RayFleet:
 
     def __init__(self, size: int, cfg: WorkerConfig, backend_factory, make_env, version: int,
                  weights: Callable[[], dict], delta: bool = True, num_gpus: float = 0.0, log=print,
-                 path_of: Optional[Callable[[int], str]] = None):
+                 path_of: Optional[Callable[[int], str]] = None, concurrency: int = 1):
         import ray
 
-        self.ray, self.size, self.log = ray, size, log
+        self.ray, self.size, self.log, self.concurrency = ray, size, log, concurrency
         if num_gpus:
             model_args = getattr(backend_factory, "model_args", None)
             check_worker_gpus(size, num_gpus, ray.available_resources().get("GPU", 0.0),
                               *_replica_gpus(model_args))
-        self.actor_cls = _actor_class(ray)
+        self.actor_cls = _actor_class(ray, concurrency)
         self._args = (cfg, backend_factory, make_env)
         self.num_gpus, self.delta = num_gpus, delta
         # by path (a trainer with TP/EP > 1): every rank wrote path_of(version); the workers load and reshard it

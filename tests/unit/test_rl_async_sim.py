@@ -159,13 +159,41 @@ def test_requests_per_worker_flag_reaches_the_orchestrator_config():
     assert fleet_config(parse("--rl-requests-per-worker", "1")).requests_per_worker == 1
     with pytest.raises(ArgumentError, match="--rl-requests-per-worker must be >= 1, got 0"):
         parse("--rl-requests-per-worker", "0")
+    assert fleet_config(parse()).concurrency == 1
+    fc = fleet_config(parse("--rl-requests-per-worker", "4", "--rl-worker-concurrency", "3"))
+    assert (fc.requests_per_worker, fc.concurrency) == (4, 3)
+    with pytest.raises(ArgumentError, match="--rl-worker-concurrency 3 must be between 1 and "
+                                            "--rl-requests-per-worker \\(2\\)"):
+        parse("--rl-worker-concurrency", "3")
+
+
+def test_simulated_ray_worker_batches_the_turns_of_its_requests():
+    """As rl/workers.py's Batcher: one request at a time gives engine batches of that request's P x G rows only;
+    with --worker-concurrency 4 the turns of several requests share a batch. Either way every prompt is trained
+    once within the bound."""
+    one = sim.simulate(_args("--failure-rate", "0"), 2)
+    four = sim.simulate(_args("--failure-rate", "0", "--requests-per-worker", "4", "--worker-concurrency", "4"), 2)
+    G = 4
+    assert set(one["engine_batch_rows"]) == {G}
+    rows = four["engine_batch_rows"]
+    assert max(rows) > G and sum(n for r, n in rows.items() if r > G) > 0.1 * sum(rows.values())
+    for out in (one, four):
+        assert out["prompts_trained_once"] is True and out["staleness_max"] <= 2
+
+
+def test_a_simulated_ray_worker_that_dies_loses_every_request_it_holds():
+    a = _args("--requests-per-worker", "4", "--worker-concurrency", "4", "--failure-rate", "0.2", "--restart-s", "30")
+    out = sim.simulate(a, 1)
+    assert out["worker_restarts"] >= 2 and max(out["engine_batch_rows"]) > 4  # batched workers died
+    assert out["prompts_trained_once"] is True and out["staleness_max"] <= 1
 
 
 def test_late_binding_beats_queueing_behind_long_rollouts():
     """Ray workers run requests one at a time: with a second request queued behind a long-tailed one the queued
     prompt waits; with one request per worker it goes to whichever worker frees first."""
-    def run(*extra):  # the benchmark's defaults (generation-bound, long tails), 64 workers
+    def run(*extra):  # generation-bound, a long tail (sigma 1), 64 workers
         a = sim.parser().parse_args(["--workers", "64", "--steps", "8", "--staleness", "2", "--failure-rate", "0",
+                                     "--length-median", "4096", "--length-sigma", "1.0", "--max-length", "32768",
                                      *extra])
         sim.check(a)
         return sim.simulate(a, 2)
