@@ -19,7 +19,6 @@ import glob
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -99,132 +98,142 @@ def marking_problems(bs: list[Block]) -> list[str]:
     return problems
 
 
-def commands(block: Block) -> list[tuple[int, str, list[str]]]:
-    """(line, tool, flags) for every command in a shell block whose program is one of our entry points."""
-    text = _uncommented(block.text)
-    lex = shlex.shlex(text, posix=True, punctuation_chars="();<>|&\n")
-    lex.whitespace = " \t\r"
-    lex.whitespace_split = True
-    lex.commenters = ""
-    out, current = [], None
-    try:
-        tokens = []
-        while True:
-            tok = lex.get_token()
-            if tok is None:
-                break
-            tokens.append((lex.lineno, tok))
-    except ValueError as e:  # an unbalanced quote: report it rather than guess
-        return [(block.line, "", [f"(cannot parse the block: {e})"])]
-    raw = text.splitlines()
-    for lineno, tok in tokens:
-        if tok and set(tok) <= set("();<>|&\n"):
-            # a newline after a backslash continuation does not end the command
-            if tok == "\n" and _continued(raw, lineno):
-                continue
-            current = None
-            continue
-        m = TOOL.search(tok)
-        if current is None and m:
-            current = (block.line + lineno, m.group(1), [])
-            out.append(current)
-        elif current is not None and tok.startswith("--") and len(tok) > 2:
-            current[2].append(tok.split("=", 1)[0])
-    return out
+def words(text: str):
+    """(line, word) for each shell word, (line, None) for each command separator: a shell's quoting, backslash
+    continuations and comments, enough to tell which flags follow which program (`tasks.jsonl#id` is no comment)."""
+    word, word_line, quote, line, i, out = [], 1, None, 1, 0, []
 
+    def flush():
+        if word:
+            yield word_line, "".join(word)
+        word.clear()
 
-def _uncommented(text: str) -> str:
-    """The shell text without its comments (shlex's own comment handling also eats the newline that ends a
-    command); a '#' inside quotes or a word (`tasks.jsonl#id`) is no comment."""
-    out, quote, i = [], None, 0
     while i < len(text):
         c = text[i]
         if quote:
-            if c == "\\" and quote == '"':
-                out.append(text[i:i + 2])
-                i += 2
-                continue
-            if c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c == "\\":
-            out.append(text[i:i + 2])
-            i += 2
-            continue
-        elif c == "#" and (i == 0 or text[i - 1] in " \t\n"):
-            while i < len(text) and text[i] != "\n":
+            if c == "\\" and quote == '"' and i + 1 < len(text):
+                word.append(text[i + 1])
                 i += 1
-            continue
-        out.append(c)
+            elif c == quote:
+                quote = None
+            else:
+                word.append(c)
+            line += c == "\n"
+        elif c in "'\"":
+            if not word:
+                word_line = line
+            quote = c
+            word.append("")
+        elif c == "\\" and i + 1 < len(text):
+            if text[i + 1] == "\n":
+                out.extend(flush())
+                line += 1
+            else:
+                word.append(text[i + 1])
+            i += 1
+        elif c == "#" and not word:
+            while i + 1 < len(text) and text[i + 1] != "\n":
+                i += 1
+        elif c in " \t\r":
+            out.extend(flush())
+        elif c in "\n;&|()<>":
+            out.extend(flush())
+            out.append((line, None))
+            line += c == "\n"
+        else:
+            if not word:
+                word_line = line
+            word.append(c)
         i += 1
-    return "".join(out)
+    out.extend(flush())
+    return out
 
 
-def _continued(raw: list[str], lineno: int) -> bool:
-    """Whether the newline token read at `lineno` (1-based, counted after it) ends a line with a backslash."""
-    idx = lineno - 2
-    return 0 <= idx < len(raw) and raw[idx].rstrip().endswith("\\")
+def commands(block: Block) -> list[tuple[int, str, list[str]]]:
+    """(line, tool, arguments) for every command in a shell block whose program is one of our entry points."""
+    out, current = [], None
+    for line, word in words(block.text):
+        if word is None:
+            current = None
+            continue
+        m = TOOL.search(word)
+        if current is None and m:
+            current = (block.line + line, m.group(1), [])
+            out.append(current)
+        elif current is not None:
+            current[2].append(word)
+    return out
+
+
+SUBCOMMAND = re.compile(r"^[a-z][\w-]*$")
 
 
 @functools.lru_cache(maxsize=None)
-def _help_texts(tools: tuple) -> dict:
-    """Each tool's --help, all in one child process (the imports are paid once; ~4 s for every tool we have)."""
+def _help_texts(keys: tuple) -> dict:
+    """The --help of each "tool" or "tool subcommand", all in one child process (the imports are paid once; ~4 s
+    for every tool we have)."""
     script = textwrap.dedent("""
         import contextlib, io, json, runpy, sys, warnings
         warnings.simplefilter("ignore")
         out = {}
-        for tool in sys.argv[1:]:
+        for key in sys.argv[1:]:
             buf = io.StringIO()
-            sys.argv = [tool, "--help"]
+            sys.argv = key.split() + ["--help"]
             try:
                 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-                    runpy.run_path(tool, run_name="__main__")
+                    runpy.run_path(sys.argv[0], run_name="__main__")
             except SystemExit:
                 pass
             except BaseException as e:
                 buf.write(f"\\n(--help failed: {e!r})")
-            out[tool] = buf.getvalue()
+            out[key] = buf.getvalue()
         sys.stdout.write("\\n@@HELP@@" + json.dumps(out))
     """)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", script, *tools], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script, *keys], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert "@@HELP@@" in proc.stdout, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("@@HELP@@", 1)[1])
 
 
-def help_of(tool: str) -> str:
-    return _help_texts(_all_tools())[tool]
+def _help_keys(tool: str, args: list) -> list[str]:
+    return [tool] + ([f"{tool} {args[0]}"] if args and SUBCOMMAND.match(args[0]) else [])
 
 
 @functools.lru_cache(maxsize=None)
-def _all_tools() -> tuple:
+def _all_help_keys() -> tuple:
     found = set()
     for path in doc_files():
         for b in blocks(path):
             if b.shell:
-                found.update(t for _, t, _ in commands(b) if t and os.path.isfile(os.path.join(ROOT, t)))
+                for _, tool, args in commands(b):
+                    if os.path.isfile(os.path.join(ROOT, tool)):
+                        found.update(_help_keys(tool, args))
     return tuple(sorted(found))
 
 
+def help_of(key: str) -> str:
+    texts = _help_texts(_all_help_keys())
+    return texts[key] if key in texts else _help_texts((key,))[key]
+
+
 def flag_problems(bs: list[Block], help_of=help_of) -> list[str]:
+    """A documented flag must be in the --help of the tool it follows (of its subcommand, for `tool sub --x`)."""
     problems = []
     for b in bs:
         if not b.shell:
             continue
-        for line, tool, flags in commands(b):
+        for line, tool, args in commands(b):
             where = f"{os.path.relpath(b.path, ROOT)}:{line}"
-            if not tool:
-                problems.append(f"{where}: {flags[0]}")
-                continue
             if not os.path.isfile(os.path.join(ROOT, tool)):
                 problems.append(f"{where}: {tool} does not exist")
                 continue
-            text = help_of(tool)
-            for flag in flags:
+            name, text = tool, help_of(tool)
+            if args and SUBCOMMAND.match(args[0]) and re.search(rf"\{{[\w,-]*\b{args[0]}\b[\w,-]*\}}", text):
+                name, text = f"{tool} {args[0]}", help_of(f"{tool} {args[0]}")
+            for flag in (a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2):
                 if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text):
-                    problems.append(f"{where}: `{flag}` is not an option of {tool} (not in its --help)")
+                    problems.append(f"{where}: `{flag}` is not an option of {name} (not in its --help)")
     return problems
 
 
@@ -367,8 +376,9 @@ def test_the_checks_catch_a_missing_marker_and_a_removed_flag(tmp_path):
     problems = marking_problems(bs)
     assert len(problems) == 2 and ":9: shell block has no doc-test marker" in problems[0]
     assert ":13: shell block has more than one doc-test marker" in problems[1]
-    assert commands(bs[0]) == [(4, "tools/run_eval.py", ["--tasks", "--agent", "--no-such-flag", "--out"]),
-                               (6, "rl_composer.py", ["--rl-rollout-workers"]),
+    assert commands(bs[0]) == [(4, "tools/run_eval.py", ["--tasks", "SUITE", "--agent", "script:DIR",
+                                                         "--no-such-flag", "3", "--out", "RUN"]),
+                               (6, "rl_composer.py", ["--rl-rollout-workers", "2"]),
                                (6, "tools/gone.py", ["--x"])]
     fake_help = {"tools/run_eval.py": "  --tasks T  --agent A  --out DIR  --no-such-flag-x",
                  "rl_composer.py": "--rl-rollout-workers N"}
@@ -389,10 +399,11 @@ def test_the_link_check_catches_a_missing_file_and_anchor(tmp_path):
     assert "no heading with anchor #nope in" in problems[0] and "c.md does not exist" in problems[1]
 
 
-def test_the_help_cache_holds_every_documented_tool():
-    tools = _all_tools()
-    assert "pretrain_composer.py" in tools and "tools/run_eval.py" in tools
+def test_the_help_cache_holds_every_documented_tool_and_subcommand():
+    keys = _all_help_keys()
+    assert {"pretrain_composer.py", "tools/run_eval.py", "tools/convert_checkpoint.py import"} <= set(keys)
     assert "--tensor-model-parallel-size" in help_of("pretrain_composer.py")
+    assert "--tensor-model-parallel-size" in help_of("tools/convert_checkpoint.py import")
 
 
 # ------------------------------------------------------------------------------------------- running the blocks
