@@ -229,8 +229,10 @@ def flag_problems(bs: list[Block], help_of=help_of) -> list[str]:
                 problems.append(f"{where}: {tool} does not exist")
                 continue
             name, text = tool, help_of(tool)
-            if args and SUBCOMMAND.match(args[0]) and re.search(rf"\{{[\w,-]*\b{args[0]}\b[\w,-]*\}}", text):
-                name, text = f"{tool} {args[0]}", help_of(f"{tool} {args[0]}")
+            if args and SUBCOMMAND.match(args[0]):  # `tool import --x`, `run_eval.py nll --x`: the subcommand's help
+                sub = help_of(f"{tool} {args[0]}")
+                if sub.strip() and sub != text and "(--help failed" not in sub:
+                    name, text = f"{tool} {args[0]}", sub
             for flag in (a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2):
                 if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text):
                     problems.append(f"{where}: `{flag}` is not an option of {name} (not in its --help)")
