@@ -30,7 +30,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 MARKERS = ("run", "slow", "cluster")
 # tiny settings for run/slow blocks: text -> text, applied in this order (keep it small and explicit)
-SUBSTITUTIONS = {}
+SUBSTITUTIONS = {
+    # docs/rl.md: fewer prompts and steps (the walk-through's figures come from benchmarks/rl_learning.py)
+    "--train 3200 --heldout 200": "--train 128 --heldout 16",
+    "--seed 1 --train 1920 --heldout 1": "--seed 1 --train 96 --heldout 1",
+    "--train-iters 100 --lr 5e-3": "--train-iters 4 --lr 5e-3",
+    "--train-iters 120 --lr 1e-3": "--train-iters 4 --lr 1e-3",
+    "--save-interval 10 --rl-prompts": "--save-interval 2 --rl-prompts",
+    "--rl-eval-interval 10 --rl-eval-samples 8": "--rl-eval-interval 2 --rl-eval-samples 2",
+    "--train-iters 40 --lr 1e-3": "--train-iters 2 --lr 1e-3",
+}
 # what the temporary directory a file's blocks run in links from the repository
 LINKED = ("tools", "examples", "benchmarks", "megatron_ext", "docs", "pretrain_composer.py", "rl_composer.py")
 TOOL = re.compile(r"(?:^|/)((?:tools|benchmarks)/[\w-]+\.py|pretrain_composer\.py|rl_composer\.py)$")
