@@ -343,6 +343,13 @@ def test_every_guide_is_two_clicks_from_the_readme():
     assert not missing, f"not reachable in two clicks from README.md: {missing}"
 
 
+def test_readme_stays_a_front_page():
+    """Issue 31: the README is the front door (<= ~150 lines); detail belongs in a guide."""
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into a guide under docs/"
+    assert "## RL that learns to use tools" in lines
+
+
 def test_readme_quotes_only_figures_that_docs_benchmarks_holds():
     """Figures live in docs/benchmarks.md with their command; the README may repeat one, never introduce one."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
