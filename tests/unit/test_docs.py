@@ -453,7 +453,7 @@ def _run_blocks(path: str, kinds: tuple, tmp_path):
         for old, new in SUBSTITUTIONS.items():
             script = script.replace(old, new)
         proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=1800)
         assert proc.returncode == 0, (f"{b.where}: the {b.marker} block exited {proc.returncode}\n"
                                       f"{script}\n--- output ---\n{(proc.stdout + proc.stderr)[-4000:]}")
         ran += 1
