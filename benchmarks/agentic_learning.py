@@ -205,11 +205,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="a few tasks and steps: checks the pipeline, not learning")
     p.add_argument("--sft-tasks", type=int, default=240, help="train tasks whose oracle trajectories SFT learns")
-    p.add_argument("--rl-tasks", type=int, default=64, help="train tasks RL sees (each once; disjoint from SFT's)")
-    p.add_argument("--heldout", type=int, default=48, help="held-out tasks evaluated")
+    p.add_argument("--rl-tasks", type=int, default=48, help="train tasks RL sees (each once; disjoint from SFT's)")
+    p.add_argument("--heldout", type=int, default=40, help="held-out tasks evaluated")
     p.add_argument("--task-kinds", default=None, help="tools/make_agent_tasks.py --kinds")
     p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--model-flags", default="--model tiny --mtp-num-layers 0",
+    p.add_argument("--model-flags", default="--model tiny --mtp-num-layers 0 --q-lora-rank 64 --kv-lora-rank 64 "
+                                           "--qk-pos-emb-head-dim 16",
                    help="architecture flags (from scratch; the checkpoints record them)")
     p.add_argument("--seq-length", type=int, default=1536, help="context of SFT, RL and serving (a whole episode)")
     p.add_argument("--sft-iters", type=int, default=300)
@@ -317,9 +318,10 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
                     f"{fmt_ci(m[f'pass@{passes}'], m[f'pass@{passes}_ci'])} | {m['valid_tool_call_rate']:.3f} | "
                     f"{m['tests_before_finish_rate']:.3f} | {m['turns_per_episode']:.2f} | "
                     f"{m['output_tokens_per_episode']:.0f} | {m['forbidden_edits']:.0f} |")
-    pair = (compared.get("pairs") or [{}])[0] if isinstance(compared, dict) else {}
+    pair = compared["against_baseline"]["rl"]
     rows.append("")
-    rows.append(f"compare (paired sign-flip over tasks): {json.dumps(pair.get('overall', pair))[:400]}")
+    rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy {pair['accuracy_a']:.3f} "
+                f"-> {pair['accuracy_b']:.3f}, p = {pair['p']:.4g} ({pair['test']})")
     rows.append("")
     rows.append("| RL step | reward | " + " | ".join(k for k in curve[0] if k not in ("step", "reward")) + " |"
                 if curve else "")

@@ -45,7 +45,8 @@ def test_agentic_learning_smoke(tmp_path):
         records = [json.loads(line) for line in (out / "eval" / name / "episodes.jsonl").read_text().splitlines()]
         assert {r["task"] for r in records} == set(heldout)
         assert all("correctness" in r["reward"] for r in records)
-    assert len(summary["compare"]["pairs"]) == 1
+    pair = summary["compare"]["against_baseline"]["rl"]
+    assert pair["shared_tasks"] == len(heldout) and 0.0 <= pair["p"] <= 1.0
     # the checkpoints carry the agent-prompt option they were trained with
     from megatron_ext.training.checkpointing import checkpoint_args
 
