@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -165,13 +164,20 @@ def rl_curve(log_dir: str) -> list[dict]:
     return curve
 
 
+RATE_PARTS = ("correctness", "tests_fraction", "communication")  # in [0, 1] per episode
+COUNT_PARTS = ("invalid_calls", "repeated_calls", "unfinished_todos", "forbidden_edits")  # per episode
+BEHAVIOUR = (("valid_tool_call_rate", "valid tool calls"), ("read_file_ok_rate", "read_file hit a file"),
+             ("edit_file_ok_rate", "edit_file matched"), ("tests_before_finish_rate", "tests before finish"))
+
+
 def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
+    """Held-out success per checkpoint, how the agent used its tools, and the reward's parts per RL step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(metrics)
     for offset, key, label in ((-0.15, "success", "mean over passes"), (0.15, f"pass@{passes}", f"pass@{passes}")):
         ys = [metrics[n][key] for n in names]
@@ -180,23 +186,37 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
         left.errorbar(xs, ys, yerr=[[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]],
                       fmt="o", capsize=4, label=label)
     left.set_xticks(range(len(names)), names)
+    left.set_xlim(-0.6, len(names) - 0.4)
     left.set_ylim(0, 1)
-    left.set_ylabel("held-out success (95% interval)")
+    left.set_ylabel("held-out success (95% Wilson interval)")
     left.legend()
     left.grid(alpha=0.3)
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        middle.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(BEHAVIOUR))],
+                   [metrics[n][k] for k, _ in BEHAVIOUR], width, label=n)
+    middle.set_xticks(range(len(BEHAVIOUR)), [label for _, label in BEHAVIOUR], fontsize=7)
+    middle.set_ylim(0, 1)
+    middle.set_ylabel("held-out episodes / calls")
+    middle.legend()
+    middle.grid(alpha=0.3, axis="y")
     steps = [c["step"] for c in curve]
     right.plot(steps, [c["reward"] for c in curve], marker="o", color="black", label="total reward")
-    for key in sorted({k for c in curve for k in c} - {"step", "reward"}):
-        values = [c.get(key, 0.0) for c in curve]
-        if any(abs(v) > 1e-9 for v in values):
-            right.plot(steps, values, marker=".", alpha=0.8, label=key)
+    for key in RATE_PARTS:
+        right.plot(steps, [c.get(key, 0.0) for c in curve], marker=".", label=key)
     right.set_xlabel("RL step")
-    right.set_ylabel("mean over the step's samples")
-    right.legend(fontsize=7)
+    right.set_ylabel("mean per training episode")
+    counts = right.twinx()
+    for key in COUNT_PARTS:
+        counts.plot(steps, [c.get(key, 0.0) for c in curve], linestyle="--", marker="x", label=f"{key} (right)")
+    counts.set_ylabel("calls per training episode")
+    lines = right.get_legend_handles_labels()
+    more = counts.get_legend_handles_labels()
+    right.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
     right.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -226,6 +246,13 @@ def main(argv=None):
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
+    p.add_argument("--rollout-workers", type=int, default=0,
+                   help="the asynchronous path: RL rollouts on this many Ray workers (rl_composer.py "
+                        "--rl-rollout-workers; 0: colocated on the trainer's ranks)")
+    p.add_argument("--max-staleness", type=int, default=1, help="with --rollout-workers: --rl-max-staleness")
+    p.add_argument("--rl-env", default="coding", choices=("coding", "swarm"),
+                   help="swarm: RL as an orchestrator with sub-agents (the --swarm-* defaults; the SFT stays "
+                        "single-agent)")
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "agentic_learning.png"))
     a = p.parse_args(argv)
     if a.smoke:  # the pipeline at its smallest: every phase runs, nothing is expected to learn
@@ -261,17 +288,21 @@ def main(argv=None):
         py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir), "--vocab-size",
               a.vocab_size, "--output", tokenizer], log("tokenizer")))
     done = lambda ckpt: os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))  # noqa: E731
-    launcher = lambda ranks: py + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks]  # noqa: E731
-                                   if ranks > 1 else [])
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    launcher = lambda ranks: py + (torchrun + [ranks] if ranks > 1 else [])  # noqa: E731
     phases("sft", done(sft_ckpt), lambda: run(
-        launcher(a.ranks) + ["pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
+        launcher(a.ranks) + [
+            "pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
               *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
               "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,
               "--eval-iters", 1, "--log-interval", max(1, a.sft_iters // 10), "--save", sft_ckpt,
               "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")))
+    async_flags = ["--rl-rollout-workers", a.rollout_workers, "--rl-max-staleness", a.max_staleness] \
+        if a.rollout_workers else []
     phases("rl", done(rl_ckpt), lambda: run(
-        launcher(a.ranks) + ["rl_composer.py", "--rl-env", "coding", "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
+        launcher(a.ranks) + [
+            "rl_composer.py", "--rl-env", a.rl_env, *async_flags, "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
                     "--tokenizer-model", tokenizer, "--load", sft_ckpt, "--finetune", "--use-checkpoint-args",
                     *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
                     "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
@@ -282,7 +313,8 @@ def main(argv=None):
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
-        phases(f"eval_{name}", os.path.exists(os.path.join(run_dir, "summary.json")), lambda ckpt=ckpt, run_dir=run_dir: run(
+        evaluated = os.path.exists(os.path.join(run_dir, "summary.json"))
+        phases(f"eval_{name}", evaluated, lambda ckpt=ckpt, run_dir=run_dir: run(
             py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
                   "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
                   "--temperature", 1.0, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
@@ -320,8 +352,8 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
                     f"{m['output_tokens_per_episode']:.0f} | {m['forbidden_edits']:.0f} |")
     pair = compared["against_baseline"]["rl"]
     rows.append("")
-    rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy {pair['accuracy_a']:.3f} "
-                f"-> {pair['accuracy_b']:.3f}, p = {pair['p']:.4g} ({pair['test']})")
+    rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy "
+                f"{pair['accuracy_a']:.3f} -> {pair['accuracy_b']:.3f}, p = {pair['p']:.4g} ({pair['test']})")
     rows.append("")
     rows.append("| RL step | reward | " + " | ".join(k for k in curve[0] if k not in ("step", "reward")) + " |"
                 if curve else "")
