@@ -107,7 +107,34 @@ def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str) -> str:
     return path
 
 
-def eval_metrics(run_dir: str, passes: int) -> dict:
+def oracle_read_paths(tasks_file: str, oracle_dir: str) -> dict:
+    """task id -> the file its oracle reads (the one module a task's function lives in)."""
+    paths = {}
+    with open(tasks_file) as f:
+        for line in f:
+            task_id = json.loads(line)["id"]
+            with open(os.path.join(oracle_dir, f"{task_id}.json")) as g:
+                paths[task_id] = next(a["arguments"]["path"] for a in json.load(g) if a["name"] == "read_file")
+    return paths
+
+
+def first_reads(episodes: list, own: dict, trained: set) -> dict:
+    """Where the first read_file of each episode went: the task's own module (copied from the instruction), a
+    module of an SFT task (recalled from training), or elsewhere; the diagnosis of a policy that cannot copy."""
+    where = {"own": 0, "sft_task": 0, "other": 0, "none": 0}
+    for e in episodes:
+        read = next((c for c in e["tool_calls"] if c["name"] == "read_file"), None)
+        try:
+            path = json.loads(read["arguments"]).get("path") if read else None
+        except (ValueError, AttributeError):
+            path = None
+        key = "none" if read is None else "own" if path == own.get(e["task"]) else \
+            "sft_task" if path in trained else "other"
+        where[key] += 1
+    return {k: v / max(len(episodes), 1) for k, v in where.items()}
+
+
+def eval_metrics(run_dir: str, passes: int, own_paths: dict, sft_paths: set) -> dict:
     """What the issue asks per checkpoint, from run_eval's summary and episodes."""
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl")) if line.strip()]
@@ -135,6 +162,7 @@ def eval_metrics(run_dir: str, passes: int) -> dict:
             "finished_rate": len(finished) / max(len(episodes), 1),
             # copying from the context: a read_file of an existing file, an edit_file whose old_text matched
             "read_file_ok_rate": succeeded("read_file"), "edit_file_ok_rate": succeeded("edit_file"),
+            "first_read": first_reads(episodes, own_paths, sft_paths),
             "tests_before_finish_rate": sum(map(tested_before_finish, episodes)) / max(len(episodes), 1),
             "turns_per_episode": summary["efficiency"]["turns"],
             "output_tokens_per_episode": summary["efficiency"]["output_tokens"],
@@ -324,7 +352,11 @@ def main(argv=None):
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
               "--out", compare_dir], log("compare")))
 
-    metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes) for name in ("sft", "rl")}
+    oracle_dir = os.path.join(tasks_dir, "oracle")
+    own_paths = oracle_read_paths(heldout, oracle_dir)
+    sft_paths = set(oracle_read_paths(os.path.join(tasks_dir, "sft.jsonl"), oracle_dir).values())
+    metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes, own_paths, sft_paths)
+               for name in ("sft", "rl")}
     compared = json.load(open(os.path.join(compare_dir, "compare.json")))
     curve = rl_curve(rl_logs)
     summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
@@ -350,6 +382,11 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
                     f"{fmt_ci(m[f'pass@{passes}'], m[f'pass@{passes}_ci'])} | {m['valid_tool_call_rate']:.3f} | "
                     f"{m['tests_before_finish_rate']:.3f} | {m['turns_per_episode']:.2f} | "
                     f"{m['output_tokens_per_episode']:.0f} | {m['forbidden_edits']:.0f} |")
+    rows.append("")
+    for name, m in metrics.items():
+        r = m["first_read"]
+        rows.append(f"first read_file of a {name} episode: the task's own module {r['own']:.2f}, a module of an SFT "
+                    f"task {r['sft_task']:.2f}, elsewhere {r['other']:.2f}, no read {r['none']:.2f}")
     pair = compared["against_baseline"]["rl"]
     rows.append("")
     rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy "

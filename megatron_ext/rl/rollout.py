@@ -60,6 +60,11 @@ class EngineGenerate:
     def __call__(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
         return self.many([(prompts, n, sampling)])[0]
 
+    @property
+    def max_sequence_length(self) -> int:
+        """Prompt + new tokens one sequence may hold (the engine refuses more)."""
+        return self.engine.model.max_sequence_length
+
     def many(self, calls: list[tuple[list[list[int]], int, Sampling]]) -> list[list[list[Sample]]]:
         """Several generate calls (each `(prompts, n, sampling)`) as one engine batch: a multi-turn episode's next
         turns, or the turns of several requests a rollout worker holds. Each call keeps its own seeds, so its
@@ -155,6 +160,16 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
     def used(i: int, j: int) -> int:
         return sum(len(s.token_ids) for seq in chains[i][j] for s in seq if s.trainable)
 
+    # a multi-turn sequence grows by its observations: it ends ("length") when the generator's context has no room
+    # for another turn, and a turn asks for at most the room left (the engine refuses a request that cannot fit)
+    context = getattr(generate, "max_sequence_length", None)
+
+    def room(i: int, j: int, observation: list[int], restart: bool) -> Optional[int]:
+        if context is None:
+            return None
+        held = 0 if restart else sum(len(s.token_ids) for s in chains[i][j][-1])
+        return context - held - len(observation)
+
     active = [(i, j, first[i][j]) for i in range(len(tasks)) for j in range(g)]
     turn = 0
     while active:
@@ -163,14 +178,17 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
         for i, j, sample in active:
             chains[i][j][-1].append(Segment.model(sample))
             result = envs[i][j].step(sample.token_ids)
+            restart = bool(getattr(result, "restart", False))
+            left = None if result.done else room(i, j, result.observation, restart)
             ended = sample.finish_reason if result.done else \
-                "length" if turn >= cfg.max_turns or used(i, j) >= budget else None
-            if ended is not None or getattr(result, "restart", False):  # this sequence is complete
+                "length" if turn >= cfg.max_turns or used(i, j) >= budget or (left is not None and left < 1) \
+                else None
+            if ended is not None or restart:  # this sequence is complete
                 finish[i][j].append(ended or sample.finish_reason)
                 routing[i][j].append(sample.routing)  # the last sample's routing covers its whole context
             if ended is not None:
                 continue
-            if getattr(result, "restart", False):
+            if restart:
                 chains[i][j].append([Segment.environment(result.observation)])
             else:
                 chains[i][j][-1].append(Segment.environment(result.observation))
@@ -180,7 +198,7 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
         calls = []
         for i, j in follow:
             ctx = [t for s in chains[i][j][-1] for t in s.token_ids]
-            left = budget - used(i, j)
+            left = budget - used(i, j) if context is None else min(budget - used(i, j), context - len(ctx))
             sampling = Sampling(**{**vars(cfg.sampling), "max_tokens": min(cfg.sampling.max_tokens, left),
                                    "seed": None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * turn + i * g + j})
             calls.append(([ctx], 1, sampling))

@@ -220,6 +220,7 @@ class Batcher:
 
     def __init__(self, run: Callable[[list], list], before: Callable[[], Any], wait_s: float):
         self.run, self.before, self.wait_s = run, before, wait_s
+        self.max_sequence_length: Optional[int] = None
         self._cond = threading.Condition()
         self._pending: list[_Pending] = []
         self._holders = 0
@@ -298,6 +299,8 @@ class RolloutWorker:
         gen = self.backend.generate
         many = getattr(gen, "many", None) or (lambda calls: [gen(*c) for c in calls])
         self.batcher = Batcher(many, self._swap, cfg.batch_wait_s)
+        # the context a turn may fill (rollout.run_groups ends a sequence that has no room for another turn)
+        self.batcher.max_sequence_length = getattr(gen, "max_sequence_length", None)
 
     def pid(self) -> int:
         return os.getpid()

@@ -143,6 +143,36 @@ def test_multi_turn_appends_turns_to_one_sequence():
     assert calls[0] == (1, 2, 0) and [c[:2] for c in calls[1:]] == [(1, 1), (1, 1)]
 
 
+class GrowingEnv(TwoTurnEnv):
+    """Never finishes on its own: each observation is 5 tokens, so the context fills up."""
+
+    def step(self, model_tokens):
+        self.turns += 1
+        self.tokens += model_tokens
+        return E.StepResult([7] * 5, False)
+
+
+def test_multi_turn_sequence_ends_when_the_context_is_full():
+    """Observations grow a sequence past what the generator holds: each turn asks for at most the room left, and the
+    sequence ends ("length") when no room is left, instead of a request the engine refuses (which crashed RL)."""
+    gen, calls = fake_generate(lambda p, j: [10 + len(p)] * 4)
+    asked = []
+
+    def limited(prompts, n, sampling):
+        assert all(len(p) + sampling.max_tokens <= 20 for p in prompts), (prompts, sampling.max_tokens)
+        asked.append([len(p) + sampling.max_tokens for p in prompts])
+        return gen(prompts, n, sampling)
+
+    limited.max_sequence_length = 20
+    groups = run_groups([{"id": "a"}], GrowingEnv, limited, EpisodeConfig(1, Sampling(max_tokens=4, seed=0),
+                                                                           max_turns=10, max_response_length=100))
+    r = groups[0].rollouts[0]
+    # prompt 2 + 4 generated, +5 observed, +4, +5 = 20: full, so the sequence ends there after turn 2's observation
+    assert len(r.token_ids) <= 20 and r.finish_reason == "length"
+    assert r.per_token()["loss_mask"].tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert max(max(a) for a in asked) <= 20
+
+
 def test_packing_aligns_labels_and_per_token_fields():
     tasks = E.digit_tasks("train", 2, seed=0)
     groups = reference_groups(tasks, E.DigitEnv)
