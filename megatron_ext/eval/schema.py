@@ -74,8 +74,10 @@ def schema_errors(record) -> list[str]:
             for e in sorted(validator.iter_errors(record), key=lambda e: list(map(str, e.absolute_path)))]
 
 
-def validate_paths(paths: list[str], out=sys.stdout, err=sys.stderr) -> int:
-    """Print every problem of the task files (or directories of them) at paths; 0 when all are valid, else 2."""
+def validate_paths(paths: list[str], out=None, err=None) -> int:
+    """Print every problem of the task files (or directories of them) at paths; 0 when all are valid, else 2.
+    The streams default to sys.stdout/sys.stderr as they are at the call (not at import: a capture replaces them)."""
+    out, err = out or sys.stdout, err or sys.stderr
     from megatron_ext.env.tasks import TaskError, load_tasks
     from megatron_ext.eval.tasks import suite_files
 
