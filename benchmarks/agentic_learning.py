@@ -9,13 +9,17 @@ Phases (each skipped when its output exists, so re-running the command resumes; 
                 either (DIR/tasks/{sft,rl,heldout}.jsonl, oracle scripts in DIR/tasks/oracle/)
   2. sft data   tools/build_agent_sft.py: each SFT task's oracle played through the real episode loop in the sandbox,
                 kept when graded correct, as chat conversations (DIR/sft.jsonl), compact tool declarations
-  3. tokenizer  tools/train_tokenizer.py on the SFT conversations' text and the RL tasks' files (DIR/tokenizer)
-  4. sft        pretrain_composer.py --sft from a random init, deliberately short (DIR/ckpt/sft)
-  5. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
+  3. tokenizer  tools/train_tokenizer.py on the SFT conversations' text, the RL tasks' files and the code corpus
+                (DIR/tokenizer)
+  4. pretrain   code pretraining (loss on every token) on more training-split tasks as plain text: instruction,
+                files, module before and after (tools/make_agent_tasks.py --corpus, tools/preprocess_data.py;
+                DIR/ckpt/pretrain); no held-out program is in it. --pretrain-iters 0 skips it
+  5. sft        pretrain_composer.py --sft from the pretrained checkpoint, deliberately short (DIR/ckpt/sft)
+  6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
-  6. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
+  7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
                 DIR/eval/sft, DIR/eval/rl), then --compare (DIR/eval/compare)
-  7. report     DIR/summary.json, a markdown table for docs/benchmarks.md, and the figure (--plot): held-out
+  8. report     DIR/summary.json, a markdown table for docs/benchmarks.md, and the figure (--plot): held-out
                 success with 95% intervals and the training reward's parts per RL step
 
 The checkpoints record the agent-prompt options they were trained with, so anyone can evaluate them on tasks of
@@ -84,8 +88,9 @@ def split_train(tasks_dir: str, n_sft: int, n_rl: int):
             f.writelines(part)
 
 
-def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str) -> str:
-    """The text a tokenizer should cover: every SFT conversation's messages and calls, and the RL tasks' files."""
+def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str, code_corpus: str | None = None) -> str:
+    """The text a tokenizer should cover: every SFT conversation's messages and calls, the RL tasks' files and the
+    code-pretraining corpus (when there is one)."""
     path = os.path.join(out, "tokenizer_corpus.jsonl")
     with open(path, "w") as f:
         for line in open(sft_path):
@@ -104,6 +109,9 @@ def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str) -> str:
                 for name in names:
                     if name.endswith(".py"):
                         f.write(json.dumps({"text": open(os.path.join(base, name)).read()}) + "\n")
+        if code_corpus:
+            with open(code_corpus) as g:
+                f.writelines(g)
     return path
 
 
@@ -252,16 +260,24 @@ def main(argv=None):
     p.add_argument("--out", default="runs/agentic")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="a few tasks and steps: checks the pipeline, not learning")
-    p.add_argument("--sft-tasks", type=int, default=240, help="train tasks whose oracle trajectories SFT learns")
+    p.add_argument("--sft-tasks", type=int, default=400, help="train tasks whose oracle trajectories SFT learns")
     p.add_argument("--rl-tasks", type=int, default=48, help="train tasks RL sees (each once; disjoint from SFT's)")
     p.add_argument("--heldout", type=int, default=40, help="held-out tasks evaluated")
     p.add_argument("--task-kinds", default=None, help="tools/make_agent_tasks.py --kinds")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--model-flags", default="--model tiny --mtp-num-layers 0 --q-lora-rank 64 --kv-lora-rank 64 "
-                                           "--qk-pos-emb-head-dim 16",
+                                           "--qk-pos-emb-head-dim 16 --rotary-scaling-factor 1",
                    help="architecture flags (from scratch; the checkpoints record them)")
     p.add_argument("--seq-length", type=int, default=1536, help="context of SFT, RL and serving (a whole episode)")
-    p.add_argument("--sft-iters", type=int, default=300)
+    p.add_argument("--corpus-tasks", type=int, default=20000,
+                   help="training-split tasks in the code-pretraining corpus (tools/make_agent_tasks.py --corpus)")
+    p.add_argument("--pretrain-iters", type=int, default=300, help="code-pretraining steps (0: SFT from scratch)")
+    p.add_argument("--pretrain-lr", type=float, default=3e-3)
+    p.add_argument("--pretrain-seq-length", type=int, default=1024,
+                   help="pretraining context (a document is ~200 tokens; a token costs several times less than at "
+                        "the episode's --seq-length on a CPU)")
+    p.add_argument("--pretrain-batch", type=int, default=16, help="pretraining sequences per step")
+    p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--rl-iters", type=int, default=None, help="RL steps (default: every RL task once)")
@@ -285,6 +301,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.smoke:  # the pipeline at its smallest: every phase runs, nothing is expected to learn
         a.sft_tasks, a.rl_tasks, a.heldout, a.sft_iters, a.passes = 20, 4, 3, 3, 1
+        a.corpus_tasks, a.pretrain_iters, a.pretrain_batch = 100, min(a.pretrain_iters, 2), 4
         a.group_size, a.prompts_per_step, a.ranks, a.max_turns = 2, 2, 1, 3
         a.max_response_length, a.eval_max_tokens = 96, 48
         a.plot = os.path.join(a.out, "agentic_learning.png")
@@ -299,28 +316,54 @@ def main(argv=None):
     log = lambda name: os.path.join(out, "logs", name + ".log")  # noqa: E731
     py = [sys.executable, "-W", "ignore"]
     model = a.model_flags.split() + ["--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length]
+    if "--original-max-position-embeddings" not in model:  # plain RoPE over the whole episode unless told otherwise
+        model += ["--original-max-position-embeddings", a.seq_length]
+    code_corpus = os.path.join(tasks_dir, "corpus.jsonl") if a.pretrain_iters else None
+    # the same architecture at the pretraining context (RoPE's positions are relative: SFT then runs it longer)
+    pretrain_model = [str(a.pretrain_seq_length) if prev == "--seq-length" else v
+                      for prev, v in zip([None] + model[:-1], model)]
+    pretrain_ckpt, pretrain_data = os.path.join(out, "ckpt", "pretrain"), os.path.join(out, "pretrain", "corpus")
     phases = Phases(out)
 
     def make_tasks():
         kinds = ["--kinds", a.task_kinds] if a.task_kinds else []
+        corpus = ["--corpus", code_corpus, "--corpus-tasks", a.corpus_tasks] if code_corpus else []
         run(py + ["tools/make_agent_tasks.py", "--out", tasks_dir, "--seed", a.seed, "--train",
-                  a.sft_tasks + a.rl_tasks, "--heldout", a.heldout, *kinds], log("tasks"))
+                  a.sft_tasks + a.rl_tasks, "--heldout", a.heldout, *kinds, *corpus], log("tasks"))
         split_train(tasks_dir, a.sft_tasks, a.rl_tasks)
 
-    phases("tasks", os.path.exists(os.path.join(tasks_dir, "rl.jsonl")), make_tasks)
+    phases("tasks", os.path.exists(os.path.join(tasks_dir, "rl.jsonl")) and
+           (code_corpus is None or os.path.exists(code_corpus)), make_tasks)
     phases("sft_data", os.path.exists(sft_data), lambda: run(
         py + ["tools/build_agent_sft.py", "--tasks", os.path.join(tasks_dir, "sft.jsonl"), "--oracle",
               os.path.join(tasks_dir, "oracle"), "--output", sft_data, "--concurrency", 2, *PROMPT_OPTIONS],
         log("sft_data")))
     phases("tokenizer", os.path.exists(os.path.join(tokenizer, "tokenizer.json")), lambda: run(
-        py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir), "--vocab-size",
+        py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir, code_corpus), "--vocab-size",
               a.vocab_size, "--output", tokenizer], log("tokenizer")))
+    if code_corpus:
+        phases("pretrain_data", os.path.exists(pretrain_data + "_text_document.idx"), lambda: run(
+            py + ["tools/preprocess_data.py", "--input", code_corpus, "--output-prefix", pretrain_data,
+                  "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tokenizer, "--workers", 1, "--append-eod"],
+            log("pretrain_data")))
     done = lambda ckpt: os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))  # noqa: E731
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     launcher = lambda ranks: py + (torchrun + [ranks] if ranks > 1 else [])  # noqa: E731
+    if code_corpus:
+        phases("pretrain", done(pretrain_ckpt), lambda: run(
+            launcher(a.ranks) + [
+                "pretrain_composer.py", *pretrain_model, "--data-path", pretrain_data + "_text_document",
+                  "--tokenizer-model", tokenizer, "--micro-batch-size", max(1, a.pretrain_batch // a.ranks),
+                  "--global-batch-size", a.pretrain_batch, "--lr", a.pretrain_lr,
+                  "--min-lr", a.pretrain_lr / 10, "--lr-warmup-iters", max(1, a.pretrain_iters // 15),
+                  "--lr-decay-style", "cosine", "--train-iters", a.pretrain_iters, "--split", "98,2,0",
+                  "--eval-interval", a.pretrain_iters, "--eval-iters", 1, "--log-interval",
+                  max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt, "--save-interval", a.pretrain_iters,
+                  "--seed", a.seed], log("pretrain")))
+    init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
     phases("sft", done(sft_ckpt), lambda: run(
         launcher(a.ranks) + [
-            "pretrain_composer.py", *model, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
+            "pretrain_composer.py", *model, *init, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
               *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
               "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,

@@ -8,16 +8,25 @@ writes DIR/train.jsonl and DIR/heldout.jsonl (the task format of megatron_ext/en
 and DIR/tasks/<id>/hidden, and DIR/oracle/<id>.json (one ACTIONS.json per task for run_eval's script: agent).
 Held-out programs (by the shape of the composition, constants abstracted) never appear in training, whatever
 the seed; the same seed writes byte-identical files. DIR/tasks and DIR/oracle are replaced.
+
+    python tools/make_agent_tasks.py --out runs/agent_tasks --seed 0 --train 500 --heldout 100 \
+        --corpus runs/agent_tasks/corpus.jsonl --corpus-tasks 20000
+
+also writes a code-pretraining corpus ({"text": ...} lines for tools/preprocess_data.py): further training-split
+tasks, each as its instruction, its files and its module before and after the fix; no held-out program appears.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.env.agent_tasks import KINDS, AgentTaskError, generate, write_family  # noqa: E402
+from megatron_ext.atomic import atomic_output  # noqa: E402
+from megatron_ext.env.agent_tasks import (KINDS, AgentTaskError, corpus_document, generate,  # noqa: E402
+                                          generate_corpus, write_family)
 
 
 def main(argv=None) -> int:
@@ -31,9 +40,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-depth", type=int, default=3, help="most primitives a program composes")
     p.add_argument("--heldout-fraction", type=float, default=0.25,
                    help="share of composition shapes held out (by hash; the same for every seed)")
+    p.add_argument("--corpus", default=None, help="also write a code-pretraining corpus here (.jsonl)")
+    p.add_argument("--corpus-tasks", type=int, default=0, help="training-split tasks in --corpus")
     a = p.parse_args(argv)
-    if a.train < 0 or a.heldout < 0:
-        p.error("--train and --heldout must be >= 0")
+    if a.train < 0 or a.heldout < 0 or a.corpus_tasks < 0:
+        p.error("--train, --heldout and --corpus-tasks must be >= 0")
+    if bool(a.corpus) != bool(a.corpus_tasks):
+        p.error("--corpus and --corpus-tasks go together")
     if not 1 <= a.max_depth <= 4:
         p.error(f"--max-depth must lie in 1..4 (files stay short), got {a.max_depth}")
     if a.heldout and a.max_depth < 2:
@@ -53,6 +66,17 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: --out {a.out}: cannot write ({e.strerror}: {e.filename})", file=sys.stderr)
         return 2
+    if a.corpus:
+        try:
+            corpus = generate_corpus(a.seed, a.corpus_tasks, tuple(a.kinds), a.max_depth, a.heldout_fraction)
+        except AgentTaskError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        with atomic_output(a.corpus) as f:
+            for task in corpus:
+                f.write(json.dumps({"text": corpus_document(task)}) + "\n")
+        print(f"wrote {len(corpus)} corpus documents to {a.corpus} "
+              f"({len({t.program.shape for t in corpus})} program shapes)")
     elapsed = time.monotonic() - start
     for split, tasks in family.items():
         shapes = {t.program.shape for t in tasks}

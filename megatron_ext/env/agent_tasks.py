@@ -35,7 +35,8 @@ from typing import Callable, Optional
 from megatron_ext.env.grading import GUARDED_MODULES
 
 KINDS = ("implement", "bugfix", "submodule")
-GENERATOR = "agent_tasks/v1"
+GENERATOR = "agent_tasks/v2"   # v2: paths in backticks (tokenised as in a tool call's JSON string)
+SPLIT_SALT = "agent_tasks/v1"  # the split rule's hash, unchanged since v1: the same shapes stay held out
 VISIBLE_TEST_COMMAND = "python -m pytest -q -p no:cacheprovider tests"   # no .pytest_cache in the diff
 TEST_COMMAND = "python -m pytest -q tests tests_hidden"
 FORBIDDEN = ["tests/*", "tests_hidden/*", "*conftest.py"]
@@ -149,7 +150,7 @@ class Program:
 
 
 def shape_hash(shape: str) -> str:
-    return hashlib.sha256(f"{GENERATOR}:{shape}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{SPLIT_SALT}:{shape}".encode()).hexdigest()[:16]
 
 
 def is_heldout(shape: str, fraction: float) -> bool:
@@ -408,10 +409,13 @@ def build_task(rng: random.Random, task_id: str, kind: str, split: str, program:
             f"    assert {fn}({v!r}) == {out!r}\n" for v, out in part)
 
     files = {**{p: "" for p in inits}, path: text, test_file: visible_test}
-    location = f"in package {path.split('/')[0]}" if kind == "submodule" else f"in {path}"
+    # paths and the package in backticks: a byte-level BPE then cuts them into the same tokens as in a tool call's
+    # JSON string ("path": "pkg/mod.py"), where no space precedes them (after a space, `pkg` would be another token:
+    # the tiny model would have to learn a mapping instead of copying)
+    location = f"in package `{path.split('/')[0]}`" if kind == "submodule" else f"in `{path}`"
     signature = f"{fn}({arg})"
     if kind == "bugfix":
-        instruction = f"Test {test_file}::test_{fn} fails. Fix the bug in {signature} in {path}."
+        instruction = f"Test `{test_file}::test_{fn}` fails. Fix the bug in {signature} in `{path}`."
         message = f"Fixed {fn} in {path}; ran the tests and they pass."
     else:
         instruction = f"Implement {signature} {location}: {words}. Example: {call}."
@@ -446,23 +450,48 @@ def generate(seed: int, train: int, heldout: int, kinds=KINDS, max_depth: int = 
     seen_primitives: set = set()
     for split, count in (("train", train), ("heldout", heldout)):
         rng = random.Random(f"{GENERATOR}:{seed}:{split}")
-        tasks, attempts = [], 0
-        while len(tasks) < count:
-            attempts += 1
-            if attempts > 200 * (count + 10):
-                raise AgentTaskError(f"could not find {count} {split} programs (kinds {list(kinds)}, max depth "
-                                     f"{max_depth}): raise --max-depth or --train")
-            kind = kinds[len(tasks) % len(kinds)]
-            program = sample_program(rng, max_depth, seen_primitives if split == "heldout" else None)
-            if is_heldout(program.shape, heldout_fraction) != (split == "heldout"):
-                continue
-            task = build_task(rng, f"{split}-{len(tasks):04d}-{kind}", kind, split, program)
-            if task is not None:
-                tasks.append(task)
-                if split == "train":
-                    seen_primitives.update(name for name, _ in program.steps)
-        out[split] = tasks
+        out[split] = _sample_split(rng, split, split, count, kinds, max_depth, heldout_fraction,
+                                   seen_primitives if split == "heldout" else None)
+        if split == "train":
+            seen_primitives.update(name for t in out[split] for name, _ in t.program.steps)
     return out
+
+
+def _sample_split(rng: random.Random, split: str, prefix: str, count: int, kinds, max_depth: int,
+                  heldout_fraction: float, allowed: Optional[set]) -> list[AgentTask]:
+    tasks, attempts = [], 0
+    while len(tasks) < count:
+        attempts += 1
+        if attempts > 200 * (count + 10):
+            raise AgentTaskError(f"could not find {count} {split} programs (kinds {list(kinds)}, max depth "
+                                 f"{max_depth}): raise --max-depth or --train")
+        kind = kinds[len(tasks) % len(kinds)]
+        program = sample_program(rng, max_depth, allowed)
+        if is_heldout(program.shape, heldout_fraction) != (split == "heldout"):
+            continue
+        task = build_task(rng, f"{prefix}-{len(tasks):04d}-{kind}", kind, split, program)
+        if task is not None:
+            tasks.append(task)
+    return tasks
+
+
+def corpus_document(task: AgentTask) -> str:
+    """A training task as plain text for code pretraining: the instruction, the repository's files, the module as
+    written and (for a bug) as fixed. The text an agent copies from (paths, names, constants) and the mapping of
+    the description's words to code, without the chat format; loss on every token."""
+    path, fixed = next(iter(task.reference.items()))
+    parts = [task.instruction, "files:\n" + "\n".join(sorted(task.files)), f"`{path}`:\n{task.files[path]}"]
+    if fixed != task.files[path]:
+        parts.append(f"`{path}`, fixed:\n{fixed}")
+    return "\n".join(parts)
+
+
+def generate_corpus(seed: int, count: int, kinds=KINDS, max_depth: int = 3,
+                    heldout_fraction: float = 0.25) -> list[AgentTask]:
+    """`count` training-split tasks from their own random stream (disjoint in sampling from the family's tasks of
+    the same seed): documents for code pretraining. Held-out shapes never appear (the same split rule)."""
+    rng = random.Random(f"{GENERATOR}:{seed}:corpus")
+    return _sample_split(rng, "train", "corpus", count, kinds, max_depth, heldout_fraction, None)
 
 
 def _write(path: str, text: str):

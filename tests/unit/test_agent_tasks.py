@@ -222,3 +222,47 @@ def test_unwritable_out_is_refused_by_name(tmp_path, capsys):
 def test_generation_errors_name_the_cause():
     with pytest.raises(agent_tasks.AgentTaskError, match="kinds must be among"):
         generate(0, 3, 0, kinds=("refactor",))
+
+
+def test_paths_in_instructions_tokenise_as_in_a_tool_call():
+    """Paths (and the package) stand in backticks: a byte-level BPE then cuts them into the tokens a tool call's
+    JSON string holds, so the agent copies tokens instead of mapping ' pkg' to 'pkg'."""
+    family = generate(2, 30, 0)["train"]
+    for t in family:
+        path = next(iter(t.reference))
+        if t.kind == "submodule":
+            assert f"package `{path.split('/')[0]}`" in t.instruction, t.instruction
+        else:
+            assert f"`{path}`" in t.instruction and f" {path}" not in t.instruction, t.instruction
+
+
+def test_corpus_holds_training_programs_only_and_what_an_agent_copies(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    assert make(tmp_path / "f", "--seed", "3", "--train", "6", "--heldout", "0", "--corpus", str(corpus),
+                "--corpus-tasks", "300") == 0
+    lines = corpus.read_text().splitlines()
+    assert len(lines) == 300
+    tasks = agent_tasks.generate_corpus(3, 300)
+    assert [json.loads(line)["text"] for line in lines] == [agent_tasks.corpus_document(t) for t in tasks]
+    assert not any(is_heldout(t.program.shape, 0.25) for t in tasks)
+    assert len({t.program.shape for t in tasks}) > 100
+    # its own stream: not the family's training tasks of the same seed
+    family = generate(3, 6, 0)["train"]
+    assert not {t.instruction for t in family} & {t.instruction for t in tasks}
+    for t in tasks[:30]:
+        doc = agent_tasks.corpus_document(t)
+        path, fixed = next(iter(t.reference.items()))
+        assert doc.startswith(t.instruction + "\nfiles:\n") and all(p in doc for p in t.files)
+        assert f"`{path}`:\n{t.files[path]}" in doc
+        assert (f"`{path}`, fixed:\n{fixed}" in doc) == (t.files[path] != fixed)
+        assert fixed in doc  # the solution: the stub's replacement, or the bug's fix
+    again = tmp_path / "again.jsonl"
+    assert make(tmp_path / "g", "--seed", "3", "--train", "6", "--heldout", "0", "--corpus", str(again),
+                "--corpus-tasks", "300") == 0
+    assert again.read_bytes() == corpus.read_bytes()
+
+
+@pytest.mark.parametrize("args", [["--corpus", "c.jsonl"], ["--corpus-tasks", "5"]])
+def test_corpus_flags_go_together(tmp_path, capsys, args):
+    assert make(tmp_path / "x", "--train", "3", "--heldout", "0", *args) == 2
+    assert "--corpus and --corpus-tasks go together" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The agentic-learning benchmark's pipeline end to end at smoke size (benchmarks/agentic_learning.py --smoke):
-generated tasks -> oracle SFT data -> tokenizer -> SFT -> GRPO in the sandboxed coding environment -> run_eval on
+generated tasks -> oracle SFT data -> tokenizer -> code pretraining -> SFT -> GRPO in the sandboxed coding environment -> run_eval on
 held-out tasks for both checkpoints -> compare -> summary and figure. It checks the pipeline's content, not that
 the model learns (that is the full benchmark's job, docs/benchmarks.md)."""
 
@@ -54,4 +54,11 @@ def test_agentic_learning_smoke(tmp_path):
         _, recorded = checkpoint_args(str(out / "ckpt" / name), "test")
         assert recorded.get("env_tool_declarations") == "compact", recorded.keys()
     assert os.path.getsize(out / "agentic_learning.png") > 10_000
-    assert set(summary["wall_s"]) >= {"tasks", "sft_data", "tokenizer", "sft", "rl", "eval_sft", "eval_rl"}
+    assert set(summary["wall_s"]) >= {"tasks", "sft_data", "tokenizer", "pretrain_data", "pretrain", "sft", "rl",
+                                      "eval_sft", "eval_rl"}
+    # code pretraining: the corpus's documents, the checkpoint SFT started from at its own context
+    corpus = (out / "tasks" / "corpus.jsonl").read_text().splitlines()
+    assert len(corpus) == settings["corpus_tasks"] and all(json.loads(line)["text"] for line in corpus)
+    _, pretrained = checkpoint_args(str(out / "ckpt" / "pretrain"), "test")
+    assert pretrained["seq_length"] == settings["pretrain_seq_length"] != settings["seq_length"]
+    assert f"loaded {out / 'ckpt' / 'pretrain'}" in (out / "logs" / "sft.log").read_text()
