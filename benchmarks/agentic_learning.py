@@ -19,7 +19,10 @@ Phases (each skipped when its output exists, so re-running the command resumes; 
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
   7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
                 DIR/eval/sft, DIR/eval/rl), then --compare (DIR/eval/compare)
-  8. report     DIR/summary.json, a markdown table for docs/benchmarks.md, and the figure (--plot): held-out
+  8. turns      benchmarks/agent_turns.py for both checkpoints on the held-out tasks' oracle conversations
+                (DIR/heldout_oracle.jsonl): per tool, the turns the model would write verbatim under teacher forcing
+                (which step fails: the path it must copy, the code, the call's format)
+  9. report     DIR/summary.json, a markdown table for docs/benchmarks.md, and the figure (--plot): held-out
                 success with 95% intervals and the training reward's parts per RL step
 
 The checkpoints record the agent-prompt options they were trained with, so anyone can evaluate them on tasks of
@@ -271,12 +274,15 @@ def main(argv=None):
     p.add_argument("--seq-length", type=int, default=1536, help="context of SFT, RL and serving (a whole episode)")
     p.add_argument("--corpus-tasks", type=int, default=20000,
                    help="training-split tasks in the code-pretraining corpus (tools/make_agent_tasks.py --corpus)")
-    p.add_argument("--pretrain-iters", type=int, default=300, help="code-pretraining steps (0: SFT from scratch)")
+    p.add_argument("--pretrain-iters", type=int, default=600, help="code-pretraining steps (0: SFT from scratch)")
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--pretrain-seq-length", type=int, default=1024,
+    p.add_argument("--pretrain-seq-length", type=int, default=512,
                    help="pretraining context (a document is ~200 tokens; a token costs several times less than at "
                         "the episode's --seq-length on a CPU)")
     p.add_argument("--pretrain-batch", type=int, default=16, help="pretraining sequences per step")
+    p.add_argument("--init", default=None,
+                   help="start code pretraining from these weights (same architecture and tokenizer), e.g. a copy "
+                        "warm-up: benchmarks/copy_probe.py --tokenizer-model DIR/tokenizer --save CKPT")
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
@@ -339,8 +345,8 @@ def main(argv=None):
               os.path.join(tasks_dir, "oracle"), "--output", sft_data, "--concurrency", 2, *PROMPT_OPTIONS],
         log("sft_data")))
     phases("tokenizer", os.path.exists(os.path.join(tokenizer, "tokenizer.json")), lambda: run(
-        py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir, code_corpus), "--vocab-size",
-              a.vocab_size, "--output", tokenizer], log("tokenizer")))
+        py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir, code_corpus),
+              "--vocab-size", a.vocab_size, "--output", tokenizer], log("tokenizer")))
     if code_corpus:
         phases("pretrain_data", os.path.exists(pretrain_data + "_text_document.idx"), lambda: run(
             py + ["tools/preprocess_data.py", "--input", code_corpus, "--output-prefix", pretrain_data,
@@ -359,7 +365,7 @@ def main(argv=None):
                   "--lr-decay-style", "cosine", "--train-iters", a.pretrain_iters, "--split", "98,2,0",
                   "--eval-interval", a.pretrain_iters, "--eval-iters", 1, "--log-interval",
                   max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt, "--save-interval", a.pretrain_iters,
-                  "--seed", a.seed], log("pretrain")))
+                  "--seed", a.seed, *(["--load", a.init, "--finetune"] if a.init else [])], log("pretrain")))
     init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
     phases("sft", done(sft_ckpt), lambda: run(
         launcher(a.ranks) + [
@@ -390,6 +396,15 @@ def main(argv=None):
                   "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
                   "--temperature", 1.0, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
                   "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")))
+    heldout_oracle = os.path.join(out, "heldout_oracle.jsonl")
+    phases("heldout_oracle", os.path.exists(heldout_oracle), lambda: run(
+        py + ["tools/build_agent_sft.py", "--tasks", heldout, "--oracle", os.path.join(tasks_dir, "oracle"),
+              "--output", heldout_oracle, "--concurrency", 2, *PROMPT_OPTIONS], log("heldout_oracle")))
+    for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
+        turns_path = os.path.join(eval_dir, name, "turns.json")
+        phases(f"turns_{name}", os.path.exists(turns_path), lambda ckpt=ckpt, turns_path=turns_path: run(
+            py + ["benchmarks/agent_turns.py", "--load", ckpt, "--tokenizer-model", tokenizer, "--conversations",
+                  heldout_oracle, "--out", turns_path], log(f"turns_{name}")))
     compare_dir = os.path.join(eval_dir, "compare")
     phases("compare", os.path.exists(os.path.join(compare_dir, "compare.json")), lambda: run(
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
@@ -400,6 +415,10 @@ def main(argv=None):
     sft_paths = set(oracle_read_paths(os.path.join(tasks_dir, "sft.jsonl"), oracle_dir).values())
     metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes, own_paths, sft_paths)
                for name in ("sft", "rl")}
+    for name in ("sft", "rl"):
+        with open(os.path.join(eval_dir, name, "turns.json")) as f:
+            metrics[name]["teacher_forced"] = {tool: {k: r[k] for k in ("turns", "exact_rate", "token_accuracy")}
+                                               for tool, r in json.load(f)["per_tool"].items()}
     compared = json.load(open(os.path.join(compare_dir, "compare.json")))
     curve = rl_curve(rl_logs)
     summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
@@ -409,7 +428,8 @@ def main(argv=None):
     print(markdown(metrics, compared, curve, phases.seconds, a.passes))
     if a.plot:
         plot(a.plot, metrics, curve, a.passes,
-             f"tiny K2.5 ({a.model_flags}): SFT on {a.sft_tasks} oracle episodes, GRPO on {a.rl_tasks} tasks x "
+             f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
+             f"SFT on {a.sft_tasks} oracle episodes, GRPO on {a.rl_tasks} tasks x "
              f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T=1")
         print(f"plot: {a.plot}")
     return 0
@@ -430,6 +450,17 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
         r = m["first_read"]
         rows.append(f"first read_file of a {name} episode: the task's own module {r['own']:.2f}, a module of an SFT "
                     f"task {r['sft_task']:.2f}, elsewhere {r['other']:.2f}, no read {r['none']:.2f}")
+    rows.append("")
+    tools = sorted({t for m in metrics.values() for t in m.get("teacher_forced", {})})
+    if tools:
+        rows.append("| teacher-forced held-out oracle turns written verbatim (greedy) | " + " | ".join(tools) + " |")
+        rows.append("|---|" + "---|" * len(tools))
+        for name, m in metrics.items():
+            tf = m.get("teacher_forced", {})
+            rows.append(f"| {name} | " + " | ".join(
+                f"{tf[t]['exact_rate']:.3f} (tokens {tf[t]['token_accuracy']:.3f})" if t in tf else "-"
+                for t in tools) + " |")
+        rows.append("")
     pair = compared["against_baseline"]["rl"]
     rows.append("")
     rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy "

@@ -55,7 +55,13 @@ def test_agentic_learning_smoke(tmp_path):
         assert recorded.get("env_tool_declarations") == "compact", recorded.keys()
     assert os.path.getsize(out / "agentic_learning.png") > 10_000
     assert set(summary["wall_s"]) >= {"tasks", "sft_data", "tokenizer", "pretrain_data", "pretrain", "sft", "rl",
-                                      "eval_sft", "eval_rl"}
+                                      "eval_sft", "eval_rl", "heldout_oracle", "turns_sft", "turns_rl"}
+    # teacher-forced turns on the held-out oracle conversations: every oracle tool scored for both checkpoints
+    for name in ("sft", "rl"):
+        turns = summary["heldout"][name]["teacher_forced"]
+        assert {"read_file", "edit_file", "run_command", "finish"} <= set(turns), turns
+        assert turns["read_file"]["turns"] == len(heldout)
+        assert all(0.0 <= r["exact_rate"] <= 1.0 and 0.0 <= r["token_accuracy"] <= 1.0 for r in turns.values())
     # code pretraining: the corpus's documents, the checkpoint SFT started from at its own context
     corpus = (out / "tasks" / "corpus.jsonl").read_text().splitlines()
     assert len(corpus) == settings["corpus_tasks"] and all(json.loads(line)["text"] for line in corpus)
