@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megatron_ext import planning
@@ -105,4 +106,8 @@ def rollout_line(model, gpu, batch: int, context: int, headroom: float) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback, and a success
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        sys.exit(0)

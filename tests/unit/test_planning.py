@@ -157,3 +157,13 @@ def test_context_parallel_cost_is_te_ring_kv_not_the_latent():
     cp2 = estimate(KIMI_K2_5, Layout(cp=2, **base), GPUS["h200"], work).time_s["cp"]
     cp32 = estimate(KIMI_K2_5, Layout(**{**base, "dp": 1, "tp": 1, "cp": 32}), GPUS["h200"], work).time_s["cp"]
     assert cp32 > 20 * cp2 > 0
+
+
+def test_planner_piped_into_head_succeeds_without_a_traceback():
+    """`plan_parallelism.py ... | head -n 2` (docs/install.md) under pipefail: the closed pipe is not an error."""
+    cmd = (f"{sys.executable} -W ignore tools/plan_parallelism.py --model kimi-k2.5 --gpu h200 --gpus 512 "
+           "--seq-length 32768 | head -n 2")
+    out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "BrokenPipeError" not in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stdout.splitlines()) == 2 and "layouts fit" in out.stdout
