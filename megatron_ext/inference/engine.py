@@ -155,6 +155,18 @@ class LatentCache:
         self.states = [None if st is None else tuple(t.repeat_interleave(counts, dim=0) for t in st)
                        for st in self.states]
 
+    def join(self, other: "LatentCache"):
+        """Append `other`'s rows (a cache of the same layers) after this one's; both hold the longer max_len."""
+        length = max(self.max_len, other.max_len)
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return t if t.size(1) in (0, length) else F.pad(t, (0, 0, 0, length - t.size(1)))
+
+        self.kv = [torch.cat((grow(a), grow(b))) for a, b in zip(self.kv, other.kv)]
+        self.states = [None if a is None else tuple(torch.cat(pair) for pair in zip(a, b))
+                       for a, b in zip(self.states, other.states)]
+        self.max_len = length
+
     def keep(self, rows: torch.Tensor, used: int):
         """Keep only `rows` (in that order), compacted in place; `used` cache positions are live."""
         for t in self.kv:
@@ -857,17 +869,17 @@ class InferenceEngine:
         """`n` samples of each prompt (or n[i] of prompt i); the samples of a prompt share one prefill (its cache
         is forked n ways). Sample j of a prompt whose params have seed s draws with seed s + j; result[i][j].
         `on_token(row, token_id, logprob)` numbers the rows prompt by prompt, sample by sample."""
-        counts, per_prompt = group_counts(prompts, n, params)
-        rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
-        seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
-        flat = self._generate_rows(prompts, rows, seeds, counts, on_token)
-        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
-        return [flat[starts[i]: starts[i + 1]] for i in range(len(prompts))]
+        counts, rows, seeds = group_rows(prompts, n, params)
+        return split_groups(self._generate_rows(prompts, rows, seeds, counts, on_token), counts)
 
     def _generate_rows(self, prompts, rows, seeds, counts: list[int], on_token=None) -> list[Completion]:
         self.check_request([prompts[i] for i in _prompt_of(counts)], rows)
         with self.generating():
-            return _Batch(self, prompts, rows, self.agreed_seeds(seeds), counts, on_token).run()
+            return _Batch(self, on_token).run(prompts, rows, self.agreed_seeds(seeds), counts)
+
+    def continuous(self) -> "ContinuousBatch":
+        """A decode batch that requests join between steps and leave as they finish (continuous batching)."""
+        return ContinuousBatch(self)
 
     @contextlib.contextmanager
     def generating(self):
@@ -932,6 +944,21 @@ def group_counts(prompts: list, n, params) -> tuple[list[int], list[SamplingPara
     return counts, per_prompt
 
 
+def group_rows(prompts: list, n, params) -> tuple[list[int], list[SamplingParams], list[Optional[int]]]:
+    """(samples per prompt, SamplingParams per row, seed per row) of a grouped request: sample j of a prompt whose
+    params have seed s draws with seed s + j."""
+    counts, per_prompt = group_counts(prompts, n, params)
+    rows = [p for p, c in zip(per_prompt, counts) for _ in range(c)]
+    seeds = [p.seed + j if p.seed is not None else None for p, c in zip(per_prompt, counts) for j in range(c)]
+    return counts, rows, seeds
+
+
+def split_groups(flat: list, counts: list[int]) -> list[list]:
+    """Rows numbered prompt by prompt, sample by sample, as result[prompt][sample]."""
+    starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    return [flat[starts[i]: starts[i + 1]] for i in range(len(counts))]
+
+
 def _prompt_of(counts: list[int]) -> list[int]:
     """The prompt index of each row when prompt i has counts[i] rows."""
     return [i for i, c in enumerate(counts) for _ in range(c)]
@@ -972,38 +999,77 @@ def _source_weights(source) -> dict[str, torch.Tensor]:
 
 
 class _Batch:
-    """One batched generation: prompt i has counts[i] rows (samples); the prompts are prefilled once and each
-    one's cache is forked to its rows. Rows that finish leave the decode batch (their cache rows are dropped); a
-    row that returns routing takes part in one more forward of its last token, for that token's experts."""
+    """Batched generation whose rows may join between decode steps (continuous batching) and leave as they
+    finish. `admit` prefills its prompts once each (prompt i has counts[i] rows, the samples: its cache is forked)
+    and appends the rows to the running batch; `step` draws one token for every decoding row and runs one forward.
+    A finished row leaves the batch (its cache row is dropped); one that returns routing takes part in one more
+    forward of its last token, for that token's experts. Row ids number the rows admitted since the batch was
+    last empty."""
 
-    def __init__(self, engine: InferenceEngine, prompts, rows: list[SamplingParams], seeds: list[int],
-                 counts: list[int], on_token=None):
-        self.engine, self.prompts, self.rows, self.counts, self.on_token = engine, prompts, rows, counts, on_token
-        self.prompt_of = _prompt_of(counts)
-        dev = engine.device
-        self.generators = [engine.generator(s) for s in seeds]
-        self.version = engine.weights_version
-        self.want_routing = [p.return_routing for p in rows]
-        self.out = [Completion(prompt_ids=list(prompts[i])) for i in self.prompt_of]
-        greedy = [p.temperature == 0 for p in rows]
-        self.any_sampled = not all(greedy)
-        self.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows],
-                                        dtype=torch.float64, device=dev)
-        self.top_k = torch.tensor([p.top_k for p in rows], dtype=torch.long, device=dev)
-        self.top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float64, device=dev)
-        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=dev)
-        self.routing_steps: list[tuple[torch.Tensor, list[int]]] = []  # ([rows, moe layers, topk], row ids)
-        self.reencoded: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (prefix routing, first step after it)
+    def __init__(self, engine: InferenceEngine, on_token=None):
+        self.engine, self.on_token = engine, on_token
+        self._reset()
 
-    def run(self) -> list[Completion]:
+    def _reset(self):
+        dev = self.engine.device
+        self.rows: list[SamplingParams] = []
+        self.out: list[Optional[Completion]] = []
+        self.generators: list[Optional[torch.Generator]] = []
+        self.want_routing: list[bool] = []
+        self.any_sampled = False
+        self.temperature = torch.empty(0, dtype=torch.float64, device=dev)
+        self.top_k = torch.empty(0, dtype=torch.long, device=dev)
+        self.top_p = torch.empty(0, dtype=torch.float64, device=dev)
+        self.greedy = torch.empty(0, dtype=torch.bool, device=dev)
+        self.version = self.engine.weights_version
+        # routing: per row the experts of its prefix (prompt, or all but the newest token after a re-encode) and
+        # the first forward after it; per forward ([rows, moe layers, topk], row -> index)
+        self.prefix_routing: dict[int, torch.Tensor] = {}
+        self.first_step: dict[int, int] = {}
+        self.routing_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
+        self.steps = 0  # decode forwards so far
+        self.cache: Optional[LatentCache] = None
+        self.in_cache: list[int] = []  # the rows the cache holds, in its batch order
+        self.active: list[int] = []  # rows still generating; `last` holds their next-token logits
+        self.last: Optional[torch.Tensor] = None
+        self.lengths: Optional[torch.Tensor] = None  # tokens in the cache of each cached row
+        self.host_lengths: list[int] = []  # the same, known on the host (no device read)
+
+    @property
+    def decoding(self) -> int:
+        """Rows generating now."""
+        return len(self.active)
+
+    def admit(self, prompts, rows: list[SamplingParams], seeds: list[int], counts: list[int]) -> list[int]:
+        """Prefill `prompts` with the current weights and add their rows to the batch; returns the rows' ids."""
         eng, dev = self.engine, self.engine.device
-        prompts = self.prompts
-        lens = [len(p) for p in prompts]
-        max_len = max(len(c.prompt_ids) + r.max_tokens for c, r in zip(self.out, self.rows))
-        record = any(self.want_routing)
+        if not self.active and not self.in_cache:  # an empty batch starts over: row ids, weights version
+            self._reset()
+        elif eng.weights_version != self.version:
+            raise RuntimeError(f"the weights changed (version {self.version} -> {eng.weights_version}) while rows "
+                               "were decoding, outside the engine's between_steps hook: their cache is stale")
+        prompt_of = _prompt_of(counts)
+        new = list(range(len(self.rows), len(self.rows) + len(rows)))
+        self.rows += rows
+        self.out += [Completion(prompt_ids=list(prompts[i])) for i in prompt_of]
+        self.generators += [eng.generator(s) for s in seeds]
+        self.want_routing += [p.return_routing for p in rows]
+        greedy = [p.temperature == 0 for p in rows]
+        self.any_sampled = self.any_sampled or not all(greedy)
+
+        def grow(t: torch.Tensor, values) -> torch.Tensor:
+            return torch.cat((t, torch.tensor(values, dtype=t.dtype, device=dev)))
+
+        self.temperature = grow(self.temperature, [p.temperature if p.temperature > 0 else 1.0 for p in rows])
+        self.top_k = grow(self.top_k, [p.top_k for p in rows])
+        self.top_p = grow(self.top_p, [p.top_p for p in rows])
+        self.greedy = grow(self.greedy, greedy)
 
         # prefill each prompt once: right-padded; pad positions write latents that decoding overwrites
+        lens = [len(p) for p in prompts]
         width, P = max(lens), len(prompts)
+        max_len = max(lens[i] + r.max_tokens for i, r in zip(prompt_of, rows))
+        record = any(p.return_routing for p in rows)
         cache = eng.new_cache(len(eng.layers), P, max_len)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=dev)
         positions = torch.arange(width, device=dev).unsqueeze(0).expand(P, -1).contiguous()
@@ -1016,55 +1082,92 @@ class _Batch:
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
-        counts = torch.tensor(self.counts, dtype=torch.long, device=dev)
-        if any(c != 1 for c in self.counts):  # fork each prompt's cache to its samples
-            cache.fork(counts)
-            last = last.repeat_interleave(counts, dim=0)
+        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+        if any(c != 1 for c in counts):  # fork each prompt's cache to its samples
+            cache.fork(counts_t)
+            last = last.repeat_interleave(counts_t, dim=0)
         if record:
-            self.prompt_routing = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
+            table = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
+            for r, i in zip(new, prompt_of):
+                if self.want_routing[r]:
+                    self.prefix_routing[r], self.first_step[r] = table[: lens[i], i], self.steps
+        lengths = lens_t.repeat_interleave(counts_t)
+        if self.cache is None:
+            self.cache, self.lengths = cache, lengths
+        else:
+            self.cache.join(cache)
+            self.lengths = torch.cat((self.lengths, lengths))
+        self.host_lengths += [lens[i] for i in prompt_of]
+        self.in_cache = self.in_cache + new
+        self.last = last if self.last is None else torch.cat((self.last, last))
+        self.active = self.active + new
+        return new
 
-        in_cache = list(range(len(self.rows)))  # the rows the cache holds, in its batch order
-        active = list(in_cache)  # rows still generating; `last` holds their next-token logits
-        lengths = lens_t.repeat_interleave(counts)  # tokens in the cache of each cached row
-        host_lengths = [lens[i] for i in self.prompt_of]  # the same, known on the host (no device read)
-        while True:
-            ids = self._sample(last, active)
-            going, forward = [], []
-            for r, token in zip(active, ids):
-                if not self._emit(r, token):
-                    going.append(r)
-                    forward.append(r)
-                elif self.want_routing[r]:
+    def step(self) -> list[int]:
+        """One token for every decoding row, then one forward; returns the rows that finished (complete now)."""
+        eng, dev = self.engine, self.engine.device
+        if not self.active:
+            return []
+        ids = self._sample(self.last, self.active)
+        going, forward, done = [], [], []
+        for r, token in zip(self.active, ids):
+            if not self._emit(r, token):
+                going.append(r)
+                forward.append(r)
+            else:
+                done.append(r)
+                if self.want_routing[r]:
                     forward.append(r)  # once more, for the routing of its last token
-            if not forward:
-                break
-            if forward != in_cache:  # finished rows leave the batch: the others move up, in place
-                where = {r: i for i, r in enumerate(in_cache)}
+        hidden = None
+        if not forward:
+            self.cache, self.in_cache, self.lengths, self.host_lengths = None, [], None, []
+        else:
+            if forward != self.in_cache:  # finished rows leave the batch: the others move up, in place
+                where = {r: i for i, r in enumerate(self.in_cache)}
                 keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
                 used = max(len(self.out[r].prompt_ids) + len(self.out[r].token_ids) for r in forward)
-                cache.keep(keep, used)
-                lengths = lengths.index_select(0, keep)
-                host_lengths = [host_lengths[where[r]] for r in forward]
-                in_cache = forward
+                self.cache.keep(keep, used)
+                self.lengths = self.lengths.index_select(0, keep)
+                self.host_lengths = [self.host_lengths[where[r]] for r in forward]
+                self.in_cache = forward
+            record = any(self.want_routing[r] for r in forward)
             if eng.between_steps is not None and eng.between_steps():
-                cache = self._reencode(forward, max_len, record)
+                self.cache = self._reencode(forward, self.cache.max_len, record)
                 self.version = eng.weights_version
             new = torch.tensor([[self.out[r].token_ids[-1]] for r in forward], dtype=torch.long, device=dev)
             routing = [] if record else None
-            hidden = eng.hidden(new, lengths.unsqueeze(1), cache, lengths, routing, host_lengths=host_lengths)
-            lengths = lengths + 1
-            host_lengths = [n + 1 for n in host_lengths]
+            hidden = eng.hidden(new, self.lengths.unsqueeze(1), self.cache, self.lengths, routing,
+                                host_lengths=self.host_lengths)
+            self.lengths = self.lengths + 1
+            self.host_lengths = [n + 1 for n in self.host_lengths]
             if record:
-                self.routing_steps.append((torch.stack(routing, dim=1).to(torch.int16), list(forward)))
-            if not going:
-                break
+                self.routing_steps[self.steps] = (torch.stack(routing, dim=1).to(torch.int16),
+                                                  {r: i for i, r in enumerate(forward)})
+            self.steps += 1
+        if going:
             if len(going) != len(forward):
                 where = {r: i for i, r in enumerate(forward)}
                 hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
-            last = eng.logits(hidden)[:, 0]
-            active = going
-        self._finish()
-        return self.out
+            self.last = eng.logits(hidden)[:, 0]
+        else:
+            self.last = None
+        self.active = going
+        self._finish(done)
+        return done
+
+    def take(self, rows: list[int]) -> list[Completion]:
+        """The finished rows' completions, released by the batch."""
+        out = [self.out[r] for r in rows]
+        for r in rows:
+            self.out[r] = self.generators[r] = None
+        return out
+
+    def run(self, prompts, rows: list[SamplingParams], seeds: list[int], counts: list[int]) -> list[Completion]:
+        """A static batch: these rows only, until every one has finished."""
+        ids = self.admit(prompts, rows, seeds, counts)
+        while self.active:
+            self.step()
+        return self.take(ids)
 
     def _reencode(self, rows: list[int], max_len: int, record: bool) -> LatentCache:
         """A cache of `rows` (prompt and generated tokens but the newest, which the next step feeds) computed
@@ -1090,7 +1193,7 @@ class _Batch:
             table = torch.stack(routing, dim=1).view(width, len(rows), len(routing), -1).to(torch.int16)
             for i, r in enumerate(rows):
                 if self.want_routing[r]:  # from the next decode step on, routing_steps continue this prefix
-                    self.reencoded[r] = (table[: lens[i], i], len(self.routing_steps))
+                    self.prefix_routing[r], self.first_step[r] = table[: lens[i], i], self.steps
         return cache
 
     def _sample(self, logits: torch.Tensor, active: list[int]) -> list[tuple[int, float, float]]:
@@ -1128,22 +1231,27 @@ class _Batch:
             self.on_token(r, token, logprob)
         return _finished(c, params, self.engine.detokenize)
 
-    def _finish(self):
+    def _finish(self, rows: list[int]):
+        """Routing (prefix, then each forward's row) and text of rows that just finished."""
         eng = self.engine
-        if any(self.want_routing):
-            prompt = self.prompt_routing.cpu()
-            steps = [(t.cpu(), {r: i for i, r in enumerate(rows)}) for t, rows in self.routing_steps]
-            for r, c in enumerate(self.out):
-                if self.want_routing[r]:
-                    parts, first = [prompt[: len(c.prompt_ids), self.prompt_of[r]]], 0
-                    if r in self.reencoded:
-                        prefix, first = self.reencoded[r]
-                        parts = [prefix.cpu()]
-                    parts += [t[where[r]].unsqueeze(0) for t, where in steps[first:] if r in where]
-                    c.routing = torch.cat(parts)
-        for c in self.out:
+        for r in rows:
+            c = self.out[r]
+            if self.want_routing[r]:
+                parts = [self.prefix_routing.pop(r).cpu()]
+                for s in range(self.first_step.pop(r), self.steps):
+                    t, where = self.routing_steps[s]
+                    if r in where:
+                        if t.device.type != "cpu":  # one transfer per forward, shared by its rows
+                            t = t.cpu()
+                            self.routing_steps[s] = (t, where)
+                        parts.append(t[where[r]].unsqueeze(0))
+                c.routing = torch.cat(parts)
             if c.text is None and eng.detokenize is not None:
                 c.text = eng.detokenize(c.token_ids)
+        if rows and self.routing_steps:  # forget the forwards no unfinished row needs
+            oldest = min(self.first_step.values(), default=self.steps)
+            for s in [s for s in self.routing_steps if s < oldest]:
+                del self.routing_steps[s]
 
 
 def _finished(c: Completion, params: SamplingParams, detokenize) -> bool:
@@ -1199,3 +1307,66 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
                                full(params.top_k, torch.long), full(params.top_p, torch.float64),
                                full(params.temperature == 0, torch.bool))
     return probs.view(*logits.shape)
+
+
+class ContinuousBatch:
+    """Continuous batching on one engine: requests (each what one `generate_groups` call takes) join the running
+    decode batch between steps, rows leave it as they finish, and a request is returned as soon as its own rows
+    have all finished, without waiting for the others. Each request keeps its own seeds, so its samples are the
+    ones it would draw alone. One thread at a time drives it (`add`, `step`); with TP/EP > 1 every rank makes the
+    same calls in the same order.
+
+    Weights: an update between steps goes through the engine's `between_steps` hook, which re-encodes every row
+    in flight; an update while no row is in flight needs nothing. Any other change while rows decode is refused
+    at the next `add`."""
+
+    def __init__(self, engine: InferenceEngine):
+        self.engine = engine
+        self._batch = _Batch(engine)
+        self._requests: dict[int, tuple[list[int], list[int]]] = {}  # id -> (counts, its rows)
+        self._left: dict[int, int] = {}  # id -> rows not finished
+        self._owner: dict[int, int] = {}  # row -> request id
+        self._next = 0
+
+    @property
+    def decoding(self) -> int:
+        """Rows generating now."""
+        return self._batch.decoding
+
+    @property
+    def requests(self) -> int:
+        """Requests in flight."""
+        return len(self._requests)
+
+    @torch.inference_mode()
+    def add(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams | list[SamplingParams]) -> int:
+        """Prefill a request and add its rows to the batch; returns its id. A bad request raises ValueError and
+        leaves the batch as it was."""
+        eng = self.engine
+        counts, rows, seeds = group_rows(prompts, n, params)
+        eng.check_request([prompts[i] for i in _prompt_of(counts)], rows)
+        with eng.generating():
+            ids = self._batch.admit(prompts, rows, eng.agreed_seeds(seeds), counts)
+        rid, self._next = self._next, self._next + 1
+        self._requests[rid] = (counts, ids)
+        self._left[rid] = len(ids)
+        self._owner.update((r, rid) for r in ids)
+        return rid
+
+    @torch.inference_mode()
+    def step(self) -> dict[int, list[list[Completion]]]:
+        """One decode step of every row in flight; returns the requests it completed: id -> result[prompt][sample]."""
+        with self.engine.generating():
+            done = self._batch.step()
+        finished = []
+        for r in done:
+            rid = self._owner.pop(r)
+            self._left[rid] -= 1
+            if not self._left[rid]:
+                finished.append(rid)
+        out = {}
+        for rid in finished:
+            counts, ids = self._requests.pop(rid)
+            del self._left[rid]
+            out[rid] = split_groups(self._batch.take(ids), counts)
+        return out

@@ -114,6 +114,11 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "batch (the rest of --rl-requests-per-worker wait in its queue). 1: one after another. "
                         "More keeps the engine's batch full while one request's long tail finishes "
                         "(docs/benchmarks.md, issue 29)")
+    a.add_argument("--rl-continuous-batching", action="store_true",
+                   help="a Ray rollout worker decodes its running requests' turns in one continuous batch: a turn "
+                        "joins the decode batch at the next step and returns as soon as its own rows finish, "
+                        "instead of static per-turn batches that end with their longest row (docs/rl-worker-"
+                        "batching.md). It pays with --rl-worker-concurrency > 1")
     a.add_argument("--rl-rollout-timeout", type=float, default=600.0,
                    help="seconds a worker may work on one request before it is killed, replaced and its prompts "
                         "requeued")
@@ -184,6 +189,13 @@ def validate_rl_args(args: argparse.Namespace):
     if args.rl_worker_concurrency > 1 and (args.rl_remote_servers or not args.rl_rollout_workers):
         fail("--rl-worker-concurrency applies to Ray rollout workers (--rl-rollout-workers without "
              "--rl-remote-servers; a remote server batches a slot's requests itself: raise --rl-requests-per-worker)")
+    if args.rl_continuous_batching:
+        if args.rl_remote_servers or not args.rl_rollout_workers:
+            fail("--rl-continuous-batching applies to Ray rollout workers (--rl-rollout-workers without "
+                 "--rl-remote-servers; a remote server batches continuously itself)")
+        if args.rl_speculative:
+            fail("--rl-continuous-batching decodes without MTP speculation: drop --rl-speculative or "
+                 "--rl-continuous-batching")
     if args.rl_rollout_workers:
         if args.rl_sft_warmup:
             fail("--rl-sft-warmup trains on reference answers, nothing to generate: drop --rl-rollout-workers")
@@ -238,6 +250,7 @@ def fleet_config(args: argparse.Namespace):
     return FleetConfig(workers=args.rl_rollout_workers, max_staleness=args.rl_max_staleness,
                        ray_address=args.ray_address, prompts_per_request=args.rl_prompts_per_request,
                        requests_per_worker=args.rl_requests_per_worker, concurrency=args.rl_worker_concurrency,
+                       continuous_batching=args.rl_continuous_batching,
                        request_timeout_s=args.rl_rollout_timeout, env_timeout_s=args.rl_env_timeout,
                        delta=not args.rl_publish_full)
 

@@ -50,6 +50,8 @@ class EngineGenerate:
         self.engine, self.speculative, self.draft_depth = engine, speculative, draft_depth
         self.stats = None
         self.batch_rows: collections.Counter = collections.Counter()  # rows of an engine batch -> batches
+        self.step_rows: collections.Counter = collections.Counter()  # continuous: rows decoding -> decode steps
+        self._continuous, self._calls = None, {}
         if speculative:
             from megatron_ext.inference.speculative import SpeculationStats
 
@@ -69,6 +71,50 @@ class EngineGenerate:
         """Several generate calls (each `(prompts, n, sampling)`) as one engine batch: a multi-turn episode's next
         turns, or the turns of several requests a rollout worker holds. Each call keeps its own seeds, so its
         samples are those it would draw alone; `batch_rows` counts the engine batches by their rows."""
+        prompts, counts, params = self._request(calls)
+        self.batch_rows[sum(counts)] += 1
+        if self.speculative:
+            flat = self._speculative(prompts, counts, params)
+        else:
+            flat = self.engine.generate_groups(prompts, counts, params)
+        return self._split(calls, flat)
+
+    # continuous batching (rl/workers.py, --rl-continuous-batching): calls join the decode batch between steps
+    def submit(self, calls: list[tuple[list[list[int]], int, Sampling]]) -> int:
+        """Add several generate calls to the running decode batch (their prompts are prefilled now); returns a
+        ticket that `advance` hands back with their samples once all of their rows have finished."""
+        if self.speculative:
+            raise ValueError("continuous batching decodes without MTP speculation (drop --rl-speculative or "
+                             "--rl-continuous-batching)")
+        if self._continuous is None:
+            self._continuous = self.engine.continuous()
+        prompts, counts, params = self._request(calls)
+        ticket = self._continuous.add(prompts, counts, params)
+        self._calls[ticket] = calls
+        return ticket
+
+    def advance(self) -> dict[int, list[list[list[Sample]]]]:
+        """One decode step of every row in flight; the tickets it completed, each with what `many` would return
+        for its calls. `step_rows` counts the decode steps by the rows they decoded."""
+        if self._continuous is None or not self._continuous.decoding:
+            return {}
+        self.step_rows[self._continuous.decoding] += 1
+        done = self._continuous.step()
+        return {t: self._split(self._calls.pop(t), groups) for t, groups in done.items()}
+
+    @property
+    def decoding(self) -> int:
+        """Rows in the continuous decode batch now."""
+        return 0 if self._continuous is None else self._continuous.decoding
+
+    def reset(self):
+        """Drop the continuous batch (after a failure inside it: its rows are lost)."""
+        self._continuous, self._calls = None, {}
+
+    @staticmethod
+    def _request(calls) -> tuple[list[list[int]], list[int], list]:
+        """(prompts, samples per prompt, SamplingParams per prompt) of several calls; sample j of prompt i of a
+        call with seed s draws with s + i * n + j."""
         from megatron_ext.inference.engine import SamplingParams
 
         prompts, counts, params = [], [], []
@@ -82,11 +128,9 @@ class EngineGenerate:
                               SamplingParams(**{**vars(base), "seed": sampling.seed + i * n}))
             prompts += p
             counts += [n] * len(p)
-        self.batch_rows[sum(counts)] += 1
-        if self.speculative:
-            flat = self._speculative(prompts, counts, params)
-        else:
-            flat = self.engine.generate_groups(prompts, counts, params)
+        return prompts, counts, params
+
+    def _split(self, calls, flat) -> list[list[list[Sample]]]:
         out, k = [], 0
         for p, _, _ in calls:
             out.append([[self._sample(c) for c in g] for g in flat[k:k + len(p)]])

@@ -290,7 +290,7 @@ class RLTrainer:
         if self.rank != 0:
             return
         episode = EpisodeConfig(cfg.group_size, cfg.sampling, cfg.max_turns, cfg.max_response_length)
-        wcfg = WorkerConfig(episode, cfg.std_normalize, fc.env_timeout_s)
+        wcfg = WorkerConfig(episode, cfg.std_normalize, fc.env_timeout_s, continuous_batching=fc.continuous_batching)
         if cfg.remote_servers:  # request slots on the servers; the weights travel as DIR/v<version> (publish_weights)
             from megatron_ext.rl.remote_fleet import RemoteFleet
 

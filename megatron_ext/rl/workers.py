@@ -49,6 +49,7 @@ class FleetConfig:
     prompts_per_request: int = 0       # 0: prompts per step / (2 x workers), at least 1
     requests_per_worker: int = 2       # in flight per worker (--rl-requests-per-worker)
     concurrency: int = 1               # of those, decoded together by a worker (--rl-worker-concurrency)
+    continuous_batching: bool = False  # their turns join one decode batch between steps (--rl-continuous-batching)
     request_timeout_s: float = 600.0
     env_timeout_s: float = 300.0
     delta: bool = True                 # publish only changed tensors when that is fewer bytes
@@ -64,6 +65,7 @@ class WorkerConfig:
     env_timeout_s: float = 300.0   # an environment call (step / score) running longer ends its episode
     threads: int = 1               # torch intra-op threads of the worker process
     batch_wait_s: float = 0.05     # a turn waits this long at most for the worker's other requests to join its batch
+    continuous_batching: bool = False  # calls join the decode batch between steps (--rl-continuous-batching)
 
 
 # ---- weights across processes ------------------------------------------------------------------------------
@@ -278,6 +280,91 @@ class Batcher:
             p.done = True
 
 
+class ContinuousBatcher:
+    """The generate calls of every request a worker holds, decoded in one continuous batch
+    (--rl-continuous-batching): a call joins the running decode batch at the next step boundary (its prompts are
+    prefilled then), each row leaves when it finishes, and a call returns as soon as its own rows have all
+    finished, without waiting for another request's longer rows or for a batch to end.
+
+    One waiting thread at a time drives the engine: it admits the calls that arrived, runs decode steps and hands
+    finished calls their samples, until its own call is done; then another waiting thread takes over. Weights are
+    swapped by the engine's between-steps hook (the rows in flight are re-encoded) or, with no row in flight,
+    before the next call is admitted (`before`), so every token records the version that drew it. A failure inside
+    the engine fails every call in flight and starts a new batch; a call the engine refuses fails alone."""
+
+    def __init__(self, gen, before: Callable[[], Any]):
+        self.gen, self.before = gen, before
+        self.max_sequence_length: Optional[int] = None
+        self._cond = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._running: dict[int, _Pending] = {}  # ticket -> call in the decode batch
+        self._holders = 0
+        self._busy = False
+
+    def hold(self, delta: int):
+        """A request arrives at (+1) or leaves (-1) the worker."""
+        with self._cond:
+            self._holders += delta
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def __call__(self, prompts, n, sampling):
+        return self.many([(prompts, n, sampling)])[0]
+
+    def many(self, calls: list) -> list:
+        me = _Pending(calls, time.monotonic())
+        with self._cond:
+            self._pending.append(me)
+            while not me.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                self._busy = True
+                try:
+                    self._drive(me)
+                finally:
+                    self._busy = False
+                    self._cond.notify_all()
+        if isinstance(me.out, BaseException):
+            raise me.out
+        return me.out
+
+    def _drive(self, me: _Pending):
+        """Decode steps (the lock released while the engine works) until `me` is done."""
+        while not me.done:
+            joining, self._pending = self._pending, []
+            self._cond.release()
+            try:
+                finished = self._step(joining)
+            finally:
+                self._cond.acquire()
+            for p, out in finished:
+                p.out, p.done = out, True
+            self._cond.notify_all()
+
+    def _step(self, joining: list[_Pending]) -> list[tuple[_Pending, Any]]:
+        finished = []
+        try:
+            if joining and not self.gen.decoding:
+                self.before()  # nothing in flight: the newest weights before the prefill
+            for p in joining:
+                try:
+                    self._running[self.gen.submit(p.calls)] = p
+                except ValueError as e:  # a request the engine refuses fails alone
+                    finished.append((p, e))
+            for ticket, out in self.gen.advance().items():
+                finished.append((self._running.pop(ticket), out))
+        except BaseException as e:  # noqa: BLE001 (every call in flight fails with it)
+            settled = {id(p) for p, _ in finished} | {id(p) for p in self._running.values()}
+            lost = list(self._running.values()) + [p for p in joining if id(p) not in settled]
+            finished += [(p, e) for p in lost]
+            self._running = {}
+            self.gen.reset()
+        return finished
+
+
 # ---- the worker ---------------------------------------------------------------------------------------------
 class RolloutWorker:
     """One rollout worker process (a Ray actor: `rollout` on the default thread, `stage` on a second one)."""
@@ -297,8 +384,11 @@ class RolloutWorker:
         if hasattr(self.backend, "set_between_steps"):
             self.backend.set_between_steps(self._swap)
         gen = self.backend.generate
-        many = getattr(gen, "many", None) or (lambda calls: [gen(*c) for c in calls])
-        self.batcher = Batcher(many, self._swap, cfg.batch_wait_s)
+        if cfg.continuous_batching:
+            self.batcher = ContinuousBatcher(gen, self._swap)
+        else:
+            many = getattr(gen, "many", None) or (lambda calls: [gen(*c) for c in calls])
+            self.batcher = Batcher(many, self._swap, cfg.batch_wait_s)
         # the context a turn may fill (rollout.run_groups ends a sequence that has no room for another turn)
         self.batcher.max_sequence_length = getattr(gen, "max_sequence_length", None)
 
@@ -333,6 +423,8 @@ class RolloutWorker:
             self.backend.apply(weights, version)
         self._swaps += 1
         self._swap_s += time.perf_counter() - t0
+        with self._cond:  # a request that checked for these weights while they were being applied waits for them
+            self._cond.notify_all()
         return True
 
     def generate(self, prompts: list[list[int]], n: int, sampling) -> list:
@@ -347,6 +439,10 @@ class RolloutWorker:
     def engine_batches(self) -> dict[int, int]:
         """Engine batches so far by their rows (samples decoded together)."""
         return dict(getattr(self.backend.generate, "batch_rows", {}))
+
+    def engine_steps(self) -> dict[int, int]:
+        """With continuous batching: decode steps so far by the rows they decoded."""
+        return dict(getattr(self.backend.generate, "step_rows", {}))
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
         """One request's groups; with --rl-worker-concurrency C, up to C of these run at once on the actor's
@@ -469,6 +565,10 @@ def _actor_class(ray, concurrency: int = 1):
         @ray.method(concurrency_group="weights")
         def engine_batches(self) -> dict[int, int]:
             return super().engine_batches()
+
+        @ray.method(concurrency_group="weights")
+        def engine_steps(self) -> dict[int, int]:
+            return super().engine_steps()
 
         @ray.method(concurrency_group="rollouts")
         def rollout(self, request: RolloutRequest) -> RolloutResult:

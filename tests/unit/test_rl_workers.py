@@ -126,6 +126,40 @@ def test_worker_decodes_its_requests_in_one_batch_and_a_kill_loses_them_all(ray_
         f.close()
 
 
+def test_continuous_worker_decodes_its_requests_together_and_a_kill_loses_them_all(ray_model):
+    args, model = ray_model
+    cfg = WorkerConfig(EpisodeConfig(2, Sampling(max_tokens=24), 2, 48), continuous_batching=True)
+    f = RayFleet(1, cfg, EngineBackendFactory(worker_model_args(args)), _TwoTurnsFactory(0.0), 0,
+                 lambda: model_weights(model), delta=True, concurrency=3)
+    try:
+        tasks = digit_tasks("train", 6, seed=5)
+        handles = [f.submit(0, RolloutRequest(i, tasks[2 * i:2 * i + 2], seed=13 * i, min_version=1))
+                   for i in range(3)]
+        _wait_held(f, 3)
+        f.publish(1, lambda: model_weights(model))
+        for i, h in enumerate(f.result(h) for h in handles):
+            assert [g.prompt_id for g in h.groups] == [t["id"] for t in tasks[2 * i:2 * i + 2]]
+            for ro in (ro for g in h.groups for ro in g.rollouts):
+                turns = [s for s in ro.segments if s.trainable]
+                assert [len(s.token_ids) for s in turns] == [24, 24] and all(v == 1 for s in turns for v in s.versions)
+        steps = ray.get(f.actors[0].engine_steps.remote())
+        # 2 turns x 24 tokens of 3 requests x 2 prompts x G = 2 rows; some steps decoded several requests' rows
+        assert sum(rows * n for rows, n in steps.items()) == 3 * 2 * 2 * 2 * 24 and max(steps) > 4, steps
+        assert ray.get(f.actors[0].engine_batches.remote()) == {}  # no static batch ran
+
+        handles = [f.submit(0, RolloutRequest(10 + i, tasks[2 * i:2 * i + 2], seed=i, min_version=2))
+                   for i in range(3)]
+        _wait_held(f, 3)
+        f.publish(2, lambda: model_weights(model))
+        time.sleep(0.2)
+        os.kill(f.worker_pid(0), signal.SIGKILL)
+        for h in handles:
+            with pytest.raises(WorkerLost):
+                f.result(h)
+    finally:
+        f.close()
+
+
 @pytest.mark.slow
 def test_orchestrator_requeues_every_request_of_a_batched_worker_killed_mid_batch(ray_model, tmp_path):
     args, model = ray_model
