@@ -20,9 +20,8 @@ The model, and what it leaves out:
   when it finishes, and the call returns once its own rows have (engine_batch_rows of --json is then the fraction
   of decoding time spent at each number of rows decoding). --worker server: --worker-concurrency requests at once in
   one continuous batch, every sequence on its own timeline (an SGLang-style server behind rl/remote_fleet.py's
-  request slots). A decode
-  step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the sequences decoding: larger
-  batches give more tokens per second but slower tokens. Prefill is not modelled.
+  request slots). A decode step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the
+  sequences decoding: larger batches give more tokens per second but slower tokens. Prefill is not modelled.
 - An episode is --turns model turns with a tool call after each but the last (latency lognormal, median
   --tool-latency, sigma --tool-sigma); its response length is lognormal (median --length-median, sigma
   --length-sigma) cut at --max-length, split evenly over the turns. A request ends with its longest episode.
