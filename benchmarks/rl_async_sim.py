@@ -782,9 +782,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-wait-s", type=float, default=0.05,
                    help="ray: a turn waits this long at most for the worker's other requests (WorkerConfig)")
     g.add_argument("--continuous-batching", action="store_true",
-                   help="ray: mirrors rl_composer's --rl-continuous-batching: a worker's engine runs one decode loop, a "
-                        "request's generate call joins it when it arrives, each row leaves when it finishes and the "
-                        "call returns once its own rows have (no --batch-wait-s); requests beyond "
+                   help="ray: mirrors rl_composer's --rl-continuous-batching: a worker's engine runs one decode "
+                        "loop, a request's generate call joins it when it arrives, each row leaves when it finishes "
+                        "and the call returns once its own rows have (no --batch-wait-s); requests beyond "
                         "--worker-concurrency still queue")
     g.add_argument("--parallel-tools", action="store_true",
                    help="ray: a request's episodes call their tools at once (run_groups steps them in sequence)")
