@@ -15,10 +15,13 @@ The model, and what it leaves out:
   running up to --worker-concurrency of its requests at once (--rl-worker-concurrency; the rest of
   --requests-per-worker queue), each request's episodes turn by turn in lockstep, every turn of every running
   request that waits decoded as one engine batch (the worker's `Batcher`), environments stepped in sequence
-  (--parallel-tools: at once). --worker server: --worker-concurrency requests at once in one continuous batch,
-  every sequence on its own timeline (an SGLang-style server behind rl/remote_fleet.py's request slots). A decode
-  step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the sequences decoding: larger
-  batches give more tokens per second but slower tokens. Prefill is not modelled.
+  (--parallel-tools: at once). --worker ray --continuous-batching (rl_composer's --rl-continuous-batching): the
+  same worker, whose engine runs one decode loop: a generate call joins the batch when it arrives, each row leaves
+  when it finishes, and the call returns once its own rows have (engine_batch_rows of --json is then the fraction
+  of decoding time spent at each number of rows decoding). --worker server: --worker-concurrency requests at once in
+  one continuous batch, every sequence on its own timeline (an SGLang-style server behind rl/remote_fleet.py's
+  request slots). A decode step takes --decode-latency x (1 + batch / --batch-knee) seconds, the batch being the
+  sequences decoding: larger batches give more tokens per second but slower tokens. Prefill is not modelled.
 - An episode is --turns model turns with a tool call after each but the last (latency lognormal, median
   --tool-latency, sigma --tool-sigma); its response length is lognormal (median --length-median, sigma
   --length-sigma) cut at --max-length, split evenly over the turns. A request ends with its longest episode.
@@ -40,6 +43,7 @@ the staleness metrics), minus the simulated fleet's own time.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gc
 import heapq
@@ -205,6 +209,15 @@ def _per_turn(lengths: np.ndarray, turns: int) -> np.ndarray:
     return per_turn
 
 
+def _tag_steps(per_turn: np.ndarray, quantum: int) -> tuple[np.ndarray, np.ndarray]:
+    """One turn's rows of `per_turn` tokens, carried as `chunks` version tags per row: the tags' decode steps,
+    counted from the row's first (the middle token of each chunk), in (row, chunk) order."""
+    chunks = np.maximum(1, -(-per_turn // quantum))
+    row = np.repeat(np.arange(len(per_turn)), chunks)
+    within = np.arange(chunks.sum()) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    return chunks, (within + 0.5) * (per_turn[row] / chunks[row])
+
+
 def _result(fleet, request, lengths: np.ndarray, chunks: np.ndarray, times: np.ndarray, start: float,
             end: float) -> RolloutResult:
     """The request's groups as a worker returns them: per (sequence, turn) `chunks[k]` version tags, drawn at
@@ -248,6 +261,9 @@ class _Held:
     end: float = 0.0
     times: list = None      # per turn: [sequences, chunks] draw times, flattened
     chunks: list = None
+    join_t: float = 0.0     # continuous batching: when its call joined the engine's batch,
+    join_steps: float = 0.0  # the engine's decode steps then,
+    target: float = 0.0     # and the step count at which its call's last row finishes
 
 
 class _EngineWorker:
@@ -274,7 +290,7 @@ class RayWorkerFleet(SimFleet):
 
     def __init__(self, a: argparse.Namespace, clock: Clock, version: int):
         super().__init__(a, clock, version)
-        self.workers = [_EngineWorker() for _ in range(a.workers)]
+        self.workers = [self._new_worker() for _ in range(a.workers)]
         self.events: list = []          # (time, worker, seq): a worker's next batch end or dispatch
         self.done: list = []            # (time, handle): requests finished or failed
         self.failed: set[int] = set()
@@ -294,14 +310,18 @@ class RayWorkerFleet(SimFleet):
         wk.seq = self._seq
         if wk.dead:
             return
+        t = self._next_event(wk, now)
+        if t < math.inf:
+            heapq.heappush(self.events, (max(t, now), w, wk.seq))
+
+    def _next_event(self, wk: _EngineWorker, now: float) -> float:
+        """The batch's end, or when the batcher starts the next one (inf: nothing to do)."""
         if wk.batch:
-            t = wk.busy_until
-        elif wk.held:
+            return wk.busy_until
+        if wk.held:
             ready = [h.ready_at for h in wk.held]
-            t = max(min(max(ready), min(ready) + self.a.batch_wait_s), now)
-        else:
-            return
-        heapq.heappush(self.events, (t, w, wk.seq))
+            return min(max(ready), min(ready) + self.a.batch_wait_s)
+        return math.inf
 
     def _activate(self, wk: _EngineWorker, now: float):
         while wk.queue and len(wk.held) < self.a.worker_concurrency:
@@ -309,27 +329,36 @@ class RayWorkerFleet(SimFleet):
             h.start = h.ready_at = max(now, wk.down_until)
             wk.held.append(h)
 
+    def _end_turn(self, wk: _EngineWorker, h: _Held, t: float) -> bool:
+        """Request `h`'s generate call returned at `t`: the request ends, steps its environments (its next call
+        waits from then), or (its failure turn) the process dies and every request it holds is lost (False)."""
+        a = self.a
+        h.turn += 1
+        if h.turn - 1 == h.fail_turn:
+            heapq.heappush(self.done, (t, h.handle))
+            self.failed.add(h.handle)
+            self.busy_s += t - h.start
+            wk.dead, wk.held = True, []
+            wk.queue.clear()
+            wk.seq = -1
+            return False
+        if h.turn == a.turns:
+            heapq.heappush(self.done, (t, h.handle))
+            self.busy_s += t - h.start
+            h.end = t
+            wk.held.remove(h)
+        else:
+            tools = h.tools[:, h.turn - 1]
+            h.ready_at = t + float(tools.max() if a.parallel_tools else tools.sum())
+        return True
+
     def _step(self, w: int, t: float):
         a, wk = self.a, self.workers[w]
         if wk.batch and t >= wk.busy_until:
             for h in wk.batch:
-                h.turn += 1
-                if h.turn - 1 == h.fail_turn:  # the process dies: every request it holds is lost
-                    heapq.heappush(self.done, (t, h.handle))
-                    self.failed.add(h.handle)
-                    self.busy_s += t - h.start
-                    wk.dead, wk.batch, wk.held = True, [], []
-                    wk.queue.clear()
-                    wk.seq = -1
+                if not self._end_turn(wk, h, t):
+                    wk.batch = []
                     return
-                if h.turn == a.turns:
-                    heapq.heappush(self.done, (t, h.handle))
-                    self.busy_s += t - h.start
-                    h.end = t
-                    wk.held.remove(h)
-                else:
-                    tools = h.tools[:, h.turn - 1]
-                    h.ready_at = t + float(tools.max() if a.parallel_tools else tools.sum())
             wk.batch = []
             self._activate(wk, t)
         if not wk.batch and wk.held:
@@ -339,18 +368,14 @@ class RayWorkerFleet(SimFleet):
         self._schedule(w, t)
 
     def _start_batch(self, wk: _EngineWorker, batch: list, t: float):
-        a, q = self.a, self.a.token_quantum
+        a = self.a
         L = np.concatenate([h.per_turn[:, h.turn] for h in batch])
         dl = a.decode_latency
         duration = dl * (float(L.max()) + float(L.sum()) / a.batch_knee)
         srt = np.sort(L)
         prefix = np.concatenate([[0], np.cumsum(srt)])
         for h in batch:
-            Lr = h.per_turn[:, h.turn]
-            chunks = np.maximum(1, -(-Lr // q))
-            row = np.repeat(np.arange(len(Lr)), chunks)
-            within = np.arange(chunks.sum()) - np.repeat(np.cumsum(chunks) - chunks, chunks)
-            k = (within + 0.5) * (Lr[row] / chunks[row])                 # the decode step of each tag's token
+            chunks, k = _tag_steps(h.per_turn[:, h.turn], a.token_quantum)
             idx = np.searchsorted(srt, k)
             drawn = prefix[idx] + k * (len(srt) - idx)                   # rows' tokens decoded up to that step
             h.times.append((t + dl * (k + drawn / a.batch_knee), chunks))
@@ -372,10 +397,15 @@ class RayWorkerFleet(SimFleet):
         wk = self.workers[worker]
         if not wk.dead:
             wk.queue.append(h)
-            self._activate(wk, now)
-            if not wk.batch:
-                self._schedule(worker, now)
+            self._enqueued(worker, now)
         return self._ids
+
+    def _enqueued(self, w: int, now: float):
+        """A request joined worker `w`'s queue at `now`."""
+        wk = self.workers[w]
+        self._activate(wk, now)
+        if not wk.batch:
+            self._schedule(w, now)
 
     @SimFleet._timed
     def wait(self, handles: list, timeout: float) -> list:
@@ -410,8 +440,111 @@ class RayWorkerFleet(SimFleet):
     @SimFleet._timed
     def restart(self, worker: int, version: int, weights):
         self.generation[worker] += 1
-        wk = self.workers[worker] = _EngineWorker()
+        wk = self.workers[worker] = self._new_worker()
         wk.down_until = self.clock.now + self.a.restart_s
+
+    def _new_worker(self) -> _EngineWorker:
+        return _EngineWorker()
+
+    def engine_rows(self) -> dict:
+        """engine_batch_rows of --json: engine batches by their rows."""
+        return dict(sorted(self.batch_rows.items()))
+
+
+class _ContinuousWorker(_EngineWorker):
+    """A worker's engine under continuous batching. `steps` counts its decode steps (each gives every row in the
+    batch one token); between two events the batch, hence the step's cost, is constant, so `steps` is piecewise
+    linear in time, with breakpoints (`bt`, `bs`) at the events since the oldest call in the batch joined."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0.0
+        self.rows: list = []        # heap: the step count at which each row in the batch finishes
+        self.bt, self.bs = [0.0], [0.0]
+
+
+class ContinuousRayWorkerFleet(RayWorkerFleet):
+    """--worker ray --continuous-batching: rl/workers.py with --rl-continuous-batching. A worker's engine runs one
+    decode loop; a generate call (one turn of a request's still-running episodes) joins its batch when it arrives,
+    each row leaves when it finishes, and the call returns once its own rows have all finished. A decode step takes
+    decode-latency x (1 + rows decoding / batch-knee). Requests, turns, tools, queueing and failures are as in
+    RayWorkerFleet; --batch-wait-s does not apply. engine_batch_rows is time-weighted: the fraction of the engines'
+    decoding time spent at each number of rows decoding."""
+
+    EPS = 1e-6  # decode steps: a row whose finishing step is this close has finished (rounding)
+
+    def _new_worker(self) -> _EngineWorker:
+        return _ContinuousWorker()
+
+    def _step_s(self, rows: int) -> float:
+        return self.a.decode_latency * (1 + rows / self.a.batch_knee)
+
+    def _next_event(self, wk: _ContinuousWorker, now: float) -> float:
+        """The next row to finish at the current batch's pace, or the next call to arrive."""
+        t = min((h.ready_at for h in wk.held if h not in wk.batch), default=math.inf)
+        if wk.rows:
+            t = min(t, now + (wk.rows[0] - wk.steps) * self._step_s(len(wk.rows)))
+        return t
+
+    def _enqueued(self, w: int, now: float):
+        self._step(w, now)
+
+    def _decode_until(self, wk: _ContinuousWorker, t: float):
+        if not wk.rows:  # idle: no call in the batch refers back to earlier steps
+            wk.bt, wk.bs = [t], [wk.steps]
+            return
+        dt = t - wk.bt[-1]
+        if dt > 0:
+            rows = len(wk.rows)
+            wk.steps += dt / self._step_s(rows)
+            wk.bt.append(t)
+            wk.bs.append(wk.steps)
+            self.batch_rows[rows] += dt
+            self.engine_busy_s += dt
+
+    def _step(self, w: int, t: float):
+        wk = self.workers[w]
+        self._decode_until(wk, t)
+        done = wk.steps + self.EPS
+        while wk.rows and wk.rows[0] <= done:
+            heapq.heappop(wk.rows)
+        for h in [h for h in wk.batch if h.target <= done]:
+            wk.batch.remove(h)
+            chunks, k = _tag_steps(h.per_turn[:, h.turn], self.a.token_quantum)
+            h.times.append((np.maximum(self._time_at(wk, h.join_steps + k), h.join_t), chunks))
+            if not self._end_turn(wk, h, t):
+                wk.batch, wk.rows = [], []
+                return
+        if wk.batch and len(wk.bt) > 256:
+            del wk.bt[:max(0, bisect.bisect_right(wk.bt, min(h.join_t for h in wk.batch)) - 1)]
+            del wk.bs[:len(wk.bs) - len(wk.bt)]
+        self._activate(wk, t)
+        for h in wk.held:
+            if h.ready_at <= t and h not in wk.batch:  # its call joins the batch
+                per_turn = h.per_turn[:, h.turn]
+                h.join_t, h.join_steps, h.target = t, wk.steps, wk.steps + float(per_turn.max())
+                for n in per_turn.tolist():
+                    heapq.heappush(wk.rows, wk.steps + n)
+                wk.batch.append(h)
+        self._schedule(w, t)
+
+    @staticmethod
+    def _time_at(wk: _ContinuousWorker, steps: np.ndarray) -> np.ndarray:
+        """When the engine reached each of `steps` (its first time there)."""
+        bt, bs = np.asarray(wk.bt), np.asarray(wk.bs)
+        if len(bt) == 1:
+            return np.full(len(steps), bt[0])
+        i = np.clip(np.searchsorted(bs, steps, side="left"), 1, len(bs) - 1)
+        ds = bs[i] - bs[i - 1]
+        return bt[i - 1] + (steps - bs[i - 1]) * (bt[i] - bt[i - 1]) / np.where(ds > 0, ds, 1.0)
+
+    def engine_rows(self) -> dict:
+        total = sum(self.batch_rows.values()) or 1.0
+        return {rows: round(s / total, 4) for rows, s in sorted(self.batch_rows.items())}
+
+    def rows_mean(self) -> float:
+        """Rows decoding, averaged over the engines' decoding time."""
+        return sum(r * s for r, s in self.batch_rows.items()) / (sum(self.batch_rows.values()) or 1.0)
 
 
 def simulate(a: argparse.Namespace, staleness: int) -> dict:
@@ -429,7 +562,8 @@ def simulate(a: argparse.Namespace, staleness: int) -> dict:
 
 def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
     clock = Clock()
-    fleet = (RayWorkerFleet if a.worker == "ray" else SimFleet)(a, clock, version=0)
+    ray = ContinuousRayWorkerFleet if a.continuous_batching else RayWorkerFleet
+    fleet = (ray if a.worker == "ray" else SimFleet)(a, clock, version=0)
     P = a.prompts_per_step
     tasks = [{"id": f"p{i}"} for i in range(P * a.steps)]
     ledger = Ledger([t["id"] for t in tasks], log_dir=log_dir)
@@ -470,7 +604,8 @@ def _simulate(a: argparse.Namespace, staleness: int, log_dir: str) -> dict:
             "trainer_idle": waited / wall,
             "worker_utilisation": fleet.busy_s / (clock.now * a.workers * a.worker_concurrency),
             "engine_busy": getattr(fleet, "engine_busy_s", math.nan) / (clock.now * a.workers),
-            "engine_batch_rows": dict(sorted(getattr(fleet, "batch_rows", {}).items())),
+            "engine_batch_rows": fleet.engine_rows() if hasattr(fleet, "engine_rows") else {},
+            "engine_rows_mean": fleet.rows_mean() if hasattr(fleet, "rows_mean") else math.nan,
             "staleness_max": int(len(hist) - 1), "staleness_hist": (hist / max(hist.sum(), 1)).round(4).tolist(),
             "prompts_trained_once": sorted(counts) == sorted(t["id"] for t in tasks) and
             set(counts.values()) == {1} and ledger.exhausted,
@@ -546,16 +681,18 @@ SWEEP_WORKERS = (64, 256, 1024, 4096)
 DESIGNS = (("Ray workers", [], "-o"), ("Ray workers, late binding", ["--requests-per-worker", "1"], ":^"),
            ("Ray workers batching x4", ["--requests-per-worker", "4", "--worker-concurrency", "4"], "-.D"),
            ("batching servers x4", ["--worker", "server", "--requests-per-worker", "4", "--worker-concurrency", "4"],
-            "--s"))
+            "--s"),
+           ("Ray workers, continuous batching x4",
+            ["--continuous-batching", "--requests-per-worker", "4", "--worker-concurrency", "4"], "-v"))
 SWEEP_K = (0, 1, 2, 3, 4)
 
 
 def sweep(a: argparse.Namespace, extra: list[str]) -> list[dict]:
-    """N x K at the default (long-tailed) settings for four designs: Ray workers running one request at a time
+    """N x K at the default (long-tailed) settings for the DESIGNS: Ray workers running one request at a time
     with one queued (the default flags), the same with one request per worker (--requests-per-worker 1, late
-    binding), Ray workers batching four requests (--rl-requests-per-worker 4 --rl-worker-concurrency 4), and
-    continuous-batching servers with four request slots each (--worker server); one synchronous run per N and
-    design."""
+    binding), Ray workers batching four requests (--rl-requests-per-worker 4 --rl-worker-concurrency 4),
+    continuous-batching servers with four request slots each (--worker server), and Ray workers batching four
+    requests continuously (the same with --continuous-batching); one synchronous run per N and design."""
     rows = []
     for design, flags, _ in DESIGNS:
         if a.design and design not in a.design:
@@ -606,8 +743,8 @@ def plot(rows: list[dict], path: str):
             if n == 1024:
                 for r in rs:
                     h = r["staleness_hist"]
-                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.04 * d, h, width=0.04,
-                                color=f"C{r['staleness']}", alpha=(1.0, 0.75, 0.5, 0.3)[d],
+                    axes[2].bar(np.arange(len(h)) + 0.16 * r["staleness"] - 0.35 + 0.032 * d, h, width=0.032,
+                                color=f"C{r['staleness']}", alpha=1.0 - 0.8 * d / len(DESIGNS),
                                 label=f"K={r['staleness']}" if d == 0 else None)
         rs = [r for r in rows if r["design"] == design and r["staleness"] == 2]
         axes[3].plot([r["workers"] for r in rs], [r["orchestrator_cpu_ms_per_sample"] for r in rs], style,
@@ -644,6 +781,11 @@ def parser() -> argparse.ArgumentParser:
                         "--requests-per-worker wait in its queue")
     g.add_argument("--batch-wait-s", type=float, default=0.05,
                    help="ray: a turn waits this long at most for the worker's other requests (WorkerConfig)")
+    g.add_argument("--continuous-batching", action="store_true",
+                   help="ray: mirrors rl_composer's --rl-continuous-batching: a worker's engine runs one decode "
+                        "loop, a request's generate call joins it when it arrives, each row leaves when it finishes "
+                        "and the call returns once its own rows have (no --batch-wait-s); requests beyond "
+                        "--worker-concurrency still queue")
     g.add_argument("--parallel-tools", action="store_true",
                    help="ray: a request's episodes call their tools at once (run_groups steps them in sequence)")
     g.add_argument("--seed", type=int, default=0)
@@ -673,7 +815,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--weights-gb", type=float, default=1040.0, help="bytes published per step (GB)")
     g.add_argument("--bandwidth-gbs", type=float, default=100.0, help="publication bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for four designs: a markdown table")
+    p.add_argument("--sweep", action="store_true", help="N = 64..4096 x K = 0..4 for five designs: a markdown table")
     p.add_argument("--design", action="append", default=[], choices=[d for d, _, _ in DESIGNS],
                    help="with --sweep: only this design (repeatable)")
     p.add_argument("--plot", default="", help="with --sweep: write the figure here (docs/rl_async_sim.png)")
@@ -702,6 +844,8 @@ def check(a: argparse.Namespace):
         raise SystemExit("--batch-wait-s must be >= 0")
     if not 0 <= a.failure_rate < 1:
         raise SystemExit("--failure-rate must be in [0, 1)")
+    if a.continuous_batching and a.worker != "ray":
+        raise SystemExit("--continuous-batching applies to --worker ray (a --worker server batches continuously)")
     a.prompts_per_step = a.prompts_per_step or a.workers
     if a.planner_model:
         a.train_token_s = planner_token_s(a)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from megatron_ext.rl.ledger import Ledger
@@ -201,3 +202,70 @@ def test_late_binding_beats_queueing_behind_long_rollouts():
     queued, late = run(), run("--requests-per-worker", "1")
     assert late["prompts_trained_once"] and late["staleness_max"] <= 2
     assert late["samples_per_s"] > 1.05 * queued["samples_per_s"], (late, queued)
+
+
+def test_continuous_batching_keeps_the_bound_and_trains_each_prompt_once_with_failures():
+    """--continuous-batching with four requests per worker at once and workers dying: every prompt is trained
+    once, staleness stays within K, and calls of several requests share the engine (rows decoding > G)."""
+    a = _args("--continuous-batching", "--requests-per-worker", "4", "--worker-concurrency", "4",
+              "--failure-rate", "0.15", "--restart-s", "30")
+    out = sim.simulate(a, 2)
+    assert out["worker_restarts"] >= 2
+    assert out["prompts_trained_once"] is True and out["staleness_max"] <= 2
+    rows = out["engine_batch_rows"]  # fraction of the engines' decoding time at each number of rows decoding
+    assert sum(rows.values()) == pytest.approx(1.0, abs=1e-3)
+    assert sum(f for r, f in rows.items() if r > 4) > 0.1 and out["engine_rows_mean"] > 1
+    assert 0 < out["engine_busy"] <= 1
+
+
+class _Request:
+    def __init__(self, name):
+        self.tasks, self.request_id = [{"id": name}], name
+
+
+def _one_worker(continuous, lengths, *flags):
+    """A one-worker fleet whose requests draw `lengths` (one array per request, G = 2 rows each), tool calls of 1 s;
+    returns (request id, the time its result arrived, its result) in order of arrival."""
+    a = sim.parser().parse_args(["--workers", "1", "--group-size", "2", "--failure-rate", "0", "--token-quantum",
+                                 "64", "--tool-sigma", "0", "--tool-latency", "1", *flags] +
+                                (["--continuous-batching"] if continuous else []))
+    sim.check(a)
+    clock = sim.Clock()
+    fleet = (sim.ContinuousRayWorkerFleet if continuous else sim.RayWorkerFleet)(a, clock, version=0)
+    draws = [np.asarray(x) for x in lengths]
+    fleet._draw = lambda n: (draws.pop(0), np.ones((n, a.turns - 1)))
+    handles = {fleet.submit(0, _Request(f"r{i}")): f"r{i}" for i in range(len(lengths))}
+    fleet.pub_t, fleet.pub_v = [-np.inf, 1.0], [0, 1]  # weights v1 land at t = 1 s: tokens before it are v0
+    out = []
+    while len(out) < len(handles):
+        for h in fleet.wait(list(handles), 1e9):
+            out.append((handles[h], clock.now, fleet.result(h)))
+    return out
+
+
+def test_continuous_batching_returns_a_call_when_its_own_rows_finish():
+    """Two requests on one worker, one with 50x longer episodes: under continuous batching the short one returns
+    after its own rows (4 rows decoding for 50 steps, 3 for 50 more), not when the long ones end; a static batch
+    returns it no earlier than the long request's batch ends."""
+    dl, knee = 0.02, 64.0
+    flags = ["--turns", "1", "--worker-concurrency", "2", "--requests-per-worker", "2"]
+    cont = _one_worker(True, [[5000, 4000], [100, 50]], *flags)
+    assert [r for r, _, _ in cont] == ["r1", "r0"]
+    assert cont[0][1] == pytest.approx(dl * (50 * (1 + 4 / knee) + 50 * (1 + 3 / knee)))
+    assert cont[1][1] == pytest.approx(dl * (5000 + (5000 + 4000 + 100 + 50) / knee))
+    static = _one_worker(False, [[5000, 4000], [100, 50]], *flags)
+    assert static[1][0] == "r1" and static[1][1] > dl * 5000  # waited for the long request's batch
+
+
+@pytest.mark.parametrize("turns", [1, 3])
+def test_continuous_and_static_batching_agree_on_one_request(turns):
+    """One worker, one request: its calls have the engine to themselves, so both models give the same times and
+    the same version tags (weights change at t = 1 s, inside the first turn)."""
+    flags = ["--turns", str(turns), "--parallel-tools"]
+    (_, t_static, static), = _one_worker(False, [[3000, 700]], *flags)
+    (_, t_cont, cont), = _one_worker(True, [[3000, 700]], *flags)
+    assert t_cont == pytest.approx(t_static)
+    assert t_cont == pytest.approx(0.02 * (3000 + 3700 / 64) + (turns - 1))  # turn by turn: max L + sum L / knee
+    versions = [[s.versions for s in r.segments] for g in (static.groups + cont.groups) for r in g.rollouts]
+    assert versions[:2] == versions[2:]
+    assert {0, 1} <= {v for r in versions for s in r for v in s}
