@@ -729,7 +729,7 @@ def plot(rows: list[dict], path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 5.2))
     for d, (design, _, style) in enumerate(DESIGNS):
         for i, n in enumerate(SWEEP_WORKERS):
             rs = [r for r in rows if r["design"] == design and r["workers"] == n]
@@ -751,14 +751,14 @@ def plot(rows: list[dict], path: str):
                      color=f"C{d + 5}", label=f"{design}, K=2")
     axes[0].axhline(2.5, color="grey", lw=0.8, ls=":")
     axes[0].set(xlabel="K (--rl-max-staleness)", ylabel="async / sync samples per second", title="speed-up")
-    axes[0].legend(fontsize=6)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=7)
     axes[1].set(xlabel="K", ylabel="fraction", title="trainer idle (dark), worker utilisation (light)")
     axes[2].set(xlabel="token staleness (versions)", ylabel="fraction of tokens", title="staleness, N=1024")
     axes[2].legend(fontsize=7)
     axes[3].set(xscale="log", xlabel="workers", ylabel="ms per sample", title="orchestrator CPU")
     axes[3].axhline(1.0, color="grey", lw=0.8, ls=":")
     axes[3].legend(fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(path, dpi=110)
 
 

@@ -310,6 +310,9 @@ class RLTrainer:
         self.orchestrator = Orchestrator(ocfg, self.fleet, self.ledger, self.by_id, self.iteration, weights,
                                          log=self.log)
         where = f" over {len(cfg.remote_servers)} remote server(s)" if cfg.remote_servers else ""
+        if fc.concurrency > 1 or fc.continuous_batching:
+            where += (f", up to {fc.concurrency} request(s) at once per worker in "
+                      f"{'one continuous' if fc.continuous_batching else 'static per-turn'} decode batch(es)")
         self.log(f"asynchronous RL: {fc.workers} rollout workers{where}, --rl-max-staleness {fc.max_staleness}, "
                  f"{ocfg.prompts_per_request} prompt(s) per request, importance correction of stale tokens: "
                  f"{cfg.loss.importance_sampling} (--rl-importance-sampling)", flush=True)

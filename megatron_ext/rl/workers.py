@@ -211,17 +211,10 @@ class _Pending:
     done: bool = False
 
 
-class Batcher:
-    """The generate calls of every request a worker holds, decoded as one engine batch (--rl-worker-concurrency).
+class _Holding:
+    """What both batchers share: the requests the worker holds, and one call as a batch of one."""
 
-    Each request runs its episodes on its own thread; a turn's call waits here until every request the worker
-    holds has a call waiting too (or `wait_s` passed: one in a tool call does not hold the others up), then one of
-    the waiting threads runs them all through `run` while calls that arrive meanwhile gather for the next batch.
-    Only that thread touches the engine, so weights are swapped (`before`, and the engine's between-steps hook)
-    between decode steps of a batch, never inside one, and every token still records the version that drew it."""
-
-    def __init__(self, run: Callable[[list], list], before: Callable[[], Any], wait_s: float):
-        self.run, self.before, self.wait_s = run, before, wait_s
+    def __init__(self):
         self.max_sequence_length: Optional[int] = None
         self._cond = threading.Condition()
         self._pending: list[_Pending] = []
@@ -240,6 +233,20 @@ class Batcher:
 
     def __call__(self, prompts, n, sampling):
         return self.many([(prompts, n, sampling)])[0]
+
+
+class Batcher(_Holding):
+    """The generate calls of every request a worker holds, decoded as one engine batch (--rl-worker-concurrency).
+
+    Each request runs its episodes on its own thread; a turn's call waits here until every request the worker
+    holds has a call waiting too (or `wait_s` passed: one in a tool call does not hold the others up), then one of
+    the waiting threads runs them all through `run` while calls that arrive meanwhile gather for the next batch.
+    Only that thread touches the engine, so weights are swapped (`before`, and the engine's between-steps hook)
+    between decode steps of a batch, never inside one, and every token still records the version that drew it."""
+
+    def __init__(self, run: Callable[[list], list], before: Callable[[], Any], wait_s: float):
+        super().__init__()
+        self.run, self.before, self.wait_s = run, before, wait_s
 
     def many(self, calls: list) -> list:
         me = _Pending(calls, time.monotonic())
@@ -280,7 +287,7 @@ class Batcher:
             p.done = True
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(_Holding):
     """The generate calls of every request a worker holds, decoded in one continuous batch
     (--rl-continuous-batching): a call joins the running decode batch at the next step boundary (its prompts are
     prefilled then), each row leaves when it finishes, and a call returns as soon as its own rows have all
@@ -293,25 +300,9 @@ class ContinuousBatcher:
     the engine fails every call in flight and starts a new batch; a call the engine refuses fails alone."""
 
     def __init__(self, gen, before: Callable[[], Any]):
+        super().__init__()
         self.gen, self.before = gen, before
-        self.max_sequence_length: Optional[int] = None
-        self._cond = threading.Condition()
-        self._pending: list[_Pending] = []
         self._running: dict[int, _Pending] = {}  # ticket -> call in the decode batch
-        self._holders = 0
-        self._busy = False
-
-    def hold(self, delta: int):
-        """A request arrives at (+1) or leaves (-1) the worker."""
-        with self._cond:
-            self._holders += delta
-
-    @property
-    def holders(self) -> int:
-        return self._holders
-
-    def __call__(self, prompts, n, sampling):
-        return self.many([(prompts, n, sampling)])[0]
 
     def many(self, calls: list) -> list:
         me = _Pending(calls, time.monotonic())

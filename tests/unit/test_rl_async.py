@@ -117,6 +117,24 @@ def test_async_run_under_torchrun(tmp_path, no_ray_left):
     no_ray_left()
 
 
+def test_async_run_with_continuous_batching_workers(tmp_path, no_ray_left):
+    """--rl-continuous-batching: each worker runs 3 requests at once in one continuous decode batch; every prompt
+    is trained once within the staleness bound. Misuse is refused before anything starts."""
+    prompts, logs = _prompts(tmp_path, 8), str(tmp_path / "logs")
+    flags = ["--rl-requests-per-worker", "3", "--rl-worker-concurrency", "3", "--rl-continuous-batching"]
+    p = _run(TINY + ["--rl-rollout-workers", "1", "--rl-max-staleness", "2", "--rl-prompts", prompts,
+                     "--rl-log-dir", logs, "--train-iters", "100", "--rl-prompts-per-request", "1"] + flags)
+    out = p.stdout
+    assert "asynchronous RL: 1 rollout workers, up to 3 request(s) at once per worker in one continuous decode " \
+           "batch(es), --rl-max-staleness 2" in out
+    assert "all 8 prompts of --rl-prompts trained once" in out
+    assert trained_counts(logs) == {t["id"]: 1 for t in digit_tasks("train", 8, seed=7)}
+    _check_staleness(logs, 2)
+    no_ray_left()
+    p = _run(TINY + ["--rl-prompts", prompts, "--rl-continuous-batching"], check=False)
+    assert p.returncode == 2 and "--rl-continuous-batching applies to Ray rollout workers" in p.stderr
+
+
 @pytest.mark.slow
 def test_async_workers_behind_a_tensor_parallel_trainer(tmp_path, no_ray_left):
     """TP=2 trainer (no rank holds the full weights), 2 Ray workers: each version goes to --rl-remote-weights-dir as a

@@ -8,20 +8,11 @@ import time
 
 import pytest
 
-from megatron_ext.arguments import parse_args
 from megatron_ext.inference.engine import InferenceEngine, model_weights
 from megatron_ext.rl.rollout import EngineGenerate, Sampling
 from megatron_ext.rl.workers import ContinuousBatcher
-from megatron_ext.training.initialize import destroy, initialize_distributed
-from tests.unit.test_engine_rl import _model, _prompt
-
-
-@pytest.fixture(scope="module")
-def models():
-    args = parse_args(["--model", "tiny", "--mock-data"], world_size=1)
-    initialize_distributed(args)
-    yield _model(args, 3), _model(args, 4)
-    destroy()
+from tests.unit.test_engine_continuous import models  # noqa: F401 (the fixture: two tiny models)
+from tests.unit.test_engine_rl import _prompt
 
 
 def _in_thread(fn, *args):
@@ -42,7 +33,7 @@ def _tokens(out):
     return [[s.token_ids for s in g] for call in out for g in call]
 
 
-def test_turns_share_decode_steps_and_each_returns_when_its_own_rows_finish(models):
+def test_turns_share_decode_steps_and_each_returns_when_its_own_rows_finish(models):  # noqa: F811
     served, _ = models
     gen = EngineGenerate(InferenceEngine(served))
     batcher = ContinuousBatcher(gen, before=lambda: None)
@@ -68,7 +59,7 @@ def test_turns_share_decode_steps_and_each_returns_when_its_own_rows_finish(mode
     assert batcher.holders == 0 and gen.decoding == 0
 
 
-def test_swaps_only_between_steps_or_when_idle_and_failures(models, monkeypatch):
+def test_swaps_only_between_steps_or_when_idle_and_failures(models, monkeypatch):  # noqa: F811
     served, other = models
     eng = InferenceEngine(served, weights_version=0)
     gen = EngineGenerate(eng)
