@@ -333,7 +333,8 @@ class ContinuousBatcher(_Holding):
                 self._cond.acquire()
             for p, out in finished:
                 p.out, p.done = out, True
-            self._cond.notify_all()
+            if finished:  # wake only the threads whose call may be done (not every thread at every step)
+                self._cond.notify_all()
 
     def _step(self, joining: list[_Pending]) -> list[tuple[_Pending, Any]]:
         finished = []
