@@ -1119,9 +1119,7 @@ class _Batch:
                 if self.want_routing[r]:
                     forward.append(r)  # once more, for the routing of its last token
         hidden = None
-        if not forward:
-            self.cache, self.in_cache, self.lengths, self.host_lengths = None, [], None, []
-        else:
+        if forward:
             if forward != self.in_cache:  # finished rows leave the batch: the others move up, in place
                 where = {r: i for i, r in enumerate(self.in_cache)}
                 keep = torch.tensor([where[r] for r in forward], dtype=torch.long, device=dev)
@@ -1149,8 +1147,9 @@ class _Batch:
                 where = {r: i for i, r in enumerate(forward)}
                 hidden = hidden[:, torch.tensor([where[r] for r in going], dtype=torch.long, device=dev)]
             self.last = eng.logits(hidden)[:, 0]
-        else:
+        else:  # nothing decodes: rows kept for a last routing forward are done with the cache too
             self.last = None
+            self.cache, self.in_cache, self.lengths, self.host_lengths = None, [], None, []
         self.active = going
         self._finish(done)
         return done

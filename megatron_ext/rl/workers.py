@@ -377,6 +377,9 @@ class RolloutWorker:
             self.backend.set_between_steps(self._swap)
         gen = self.backend.generate
         if cfg.continuous_batching:
+            if not hasattr(gen, "submit"):
+                raise ValueError(f"--rl-continuous-batching needs the local inference engine's generator; "
+                                 f"{type(gen).__name__} has no continuous batch")
             self.batcher = ContinuousBatcher(gen, self._swap)
         else:
             many = getattr(gen, "many", None) or (lambda calls: [gen(*c) for c in calls])

@@ -107,7 +107,7 @@ def test_weights_changed_outside_the_hook_and_bad_requests_are_refused_without_h
     served, other = models
     eng = InferenceEngine(served, weights_version=1)
     batch = eng.continuous()
-    params = SamplingParams(max_tokens=6, temperature=0.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0, return_routing=True)  # a last forward for routing
     want = eng.generate_groups([_prompt(7, 4)], 1, params)
     rid = batch.add([_prompt(7, 4)], 1, params)
     batch.step()
