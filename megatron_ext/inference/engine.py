@@ -1026,7 +1026,7 @@ class _Batch:
         # the first forward after it; per forward ([rows, moe layers, topk], row -> index)
         self.prefix_routing: dict[int, torch.Tensor] = {}
         self.first_step: dict[int, int] = {}
-        self.routing_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
+        self.routing_steps: dict[int, tuple[torch.Tensor, dict[int, int], bool]] = {}  # (.., on the host)
         self.steps = 0  # decode forwards so far
         self.cache: Optional[LatentCache] = None
         self.in_cache: list[int] = []  # the rows the cache holds, in its batch order
@@ -1140,7 +1140,7 @@ class _Batch:
             self.host_lengths = [n + 1 for n in self.host_lengths]
             if record:
                 self.routing_steps[self.steps] = (torch.stack(routing, dim=1).to(torch.int16),
-                                                  {r: i for i, r in enumerate(forward)})
+                                                  {r: i for i, r in enumerate(forward)}, False)
             self.steps += 1
         if going:
             if len(going) != len(forward):
@@ -1238,11 +1238,11 @@ class _Batch:
             if self.want_routing[r]:
                 parts = [self.prefix_routing.pop(r).cpu()]
                 for s in range(self.first_step.pop(r), self.steps):
-                    t, where = self.routing_steps[s]
+                    t, where, on_host = self.routing_steps[s]
                     if r in where:
-                        if t.device.type != "cpu":  # one transfer per forward, shared by its rows
+                        if not on_host:  # one transfer per forward, shared by its rows
                             t = t.cpu()
-                            self.routing_steps[s] = (t, where)
+                            self.routing_steps[s] = (t, where, True)
                         parts.append(t[where[r]].unsqueeze(0))
                 c.routing = torch.cat(parts)
             if c.text is None and eng.detokenize is not None:
