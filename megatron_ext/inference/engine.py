@@ -1012,11 +1012,13 @@ class _Batch:
 
     def _reset(self):
         dev = self.engine.device
-        self.rows: list[SamplingParams] = []
-        self.out: list[Optional[Completion]] = []
-        self.generators: list[Optional[torch.Generator]] = []
-        self.want_routing: list[bool] = []
-        self.any_sampled = False
+        # per row, until `take` releases it (a batch that never empties does not grow with the rows it served)
+        self.rows: dict[int, SamplingParams] = {}
+        self.out: dict[int, Completion] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self.want_routing: dict[int, bool] = {}
+        self.next_row = 0
+        # the decoding rows' sampling parameters, in `active` order
         self.temperature = torch.empty(0, dtype=torch.float64, device=dev)
         self.top_k = torch.empty(0, dtype=torch.long, device=dev)
         self.top_p = torch.empty(0, dtype=torch.float64, device=dev)
@@ -1049,13 +1051,12 @@ class _Batch:
             raise RuntimeError(f"the weights changed (version {self.version} -> {eng.weights_version}) while rows "
                                "were decoding, outside the engine's between_steps hook: their cache is stale")
         prompt_of = _prompt_of(counts)
-        new = list(range(len(self.rows), len(self.rows) + len(rows)))
-        self.rows += rows
-        self.out += [Completion(prompt_ids=list(prompts[i])) for i in prompt_of]
-        self.generators += [eng.generator(s) for s in seeds]
-        self.want_routing += [p.return_routing for p in rows]
+        new = list(range(self.next_row, self.next_row + len(rows)))
+        self.next_row += len(rows)
+        for r, i, params, seed in zip(new, prompt_of, rows, seeds):
+            self.rows[r], self.out[r] = params, Completion(prompt_ids=list(prompts[i]))
+            self.generators[r], self.want_routing[r] = eng.generator(seed), params.return_routing
         greedy = [p.temperature == 0 for p in rows]
-        self.any_sampled = self.any_sampled or not all(greedy)
 
         def grow(t: torch.Tensor, values) -> torch.Tensor:
             return torch.cat((t, torch.tensor(values, dtype=t.dtype, device=dev)))
@@ -1150,16 +1151,20 @@ class _Batch:
         else:  # nothing decodes: rows kept for a last routing forward are done with the cache too
             self.last = None
             self.cache, self.in_cache, self.lengths, self.host_lengths = None, [], None, []
+        if len(going) != len(self.active):  # the sampling parameters follow the rows still decoding
+            left = set(going)
+            keep = torch.tensor([i for i, r in enumerate(self.active) if r in left], dtype=torch.long, device=dev)
+            self.temperature, self.top_k, self.top_p, self.greedy = (
+                t.index_select(0, keep) for t in (self.temperature, self.top_k, self.top_p, self.greedy))
         self.active = going
         self._finish(done)
         return done
 
     def take(self, rows: list[int]) -> list[Completion]:
         """The finished rows' completions, released by the batch."""
-        out = [self.out[r] for r in rows]
         for r in rows:
-            self.out[r] = self.generators[r] = None
-        return out
+            del self.rows[r], self.generators[r], self.want_routing[r]
+        return [self.out.pop(r) for r in rows]
 
     def run(self, prompts, rows: list[SamplingParams], seeds: list[int], counts: list[int]) -> list[Completion]:
         """A static batch: these rows only, until every one has finished."""
@@ -1199,12 +1204,10 @@ class _Batch:
         """(token, raw logprob, sampled logprob) for each active row: drawn from the row's sampling
         distribution with its own generator; padded-vocabulary ids are never drawn."""
         logits = logits[:, : self.engine.vocab_size]
-        index = torch.tensor(active, dtype=torch.long, device=logits.device)
-        greedy = self.greedy[index]
+        params = [self.rows[r] for r in active]  # self.temperature etc. are in this order
         raw = torch.log_softmax(logits.double(), dim=-1)
-        if self.any_sampled:
-            params = [self.rows[r] for r in active]
-            q = row_sampling_probs(logits, self.temperature[index], self.top_k[index], self.top_p[index], greedy,
+        if any(p.temperature != 0 for p in params):
+            q = row_sampling_probs(logits, self.temperature, self.top_k, self.top_p, self.greedy,
                                    truncated=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
                                    any_greedy=any(p.temperature == 0 for p in params))
             draws = [torch.argmax(raw[i]) if self.rows[r].temperature == 0 else

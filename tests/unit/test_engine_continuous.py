@@ -147,3 +147,19 @@ def test_kimi_linear_rows_join_with_their_recurrent_states():
         assert at[2] == 2 + 4 - 1 < at[0]
     finally:
         destroy()
+
+
+def test_a_batch_that_never_empties_keeps_only_its_live_rows(models):
+    served, _ = models
+    eng = InferenceEngine(served)
+    batch = eng.continuous()
+    long = batch.add([_prompt(11, 3)], 1, SamplingParams(max_tokens=40, temperature=0.0))
+    done = {}
+    for k in range(6):  # short requests come and go while the long one decodes
+        batch.add([_prompt(12 + k, 4)], 2, SamplingParams(max_tokens=3, temperature=1.0, seed=k))
+        for _ in range(4):
+            done.update(batch.step())
+        assert len(batch._batch.rows) == len(batch._batch.out) == 1 == batch.decoding  # the long row alone
+    while batch.decoding:
+        done.update(batch.step())
+    assert len(done) == 7 and len(done[long][0][0].token_ids) == 40 and batch._batch.rows == {}
