@@ -315,14 +315,17 @@ def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
 
 
 def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, first: int,
-                 grouped: bool) -> torch.Tensor:
+                 grouped: bool, descending: bool = False) -> torch.Tensor:
     """The routed experts over (token, expert) pairs sorted by expert, with this rank's experts stacked [E, out,
     in] (`_ExpertStack`), without host syncs: `grouped`, one grouped GEMM per projection whose group offsets stay
     on the device; else each pair's expert weights gathered and applied by one batched matmul (copies top-k
-    experts' weights per token: for a few decode tokens only)."""
+    experts' weights per token: for a few decode tokens only). `descending`: the stacks hold the experts last
+    first (stack[i] is local expert E - 1 - i: a distributed optimizer's buffer lays parameters out in reverse)."""
     n, k = fc1.size(0), chosen.size(1)
     local = chosen.flatten() - first
-    key, order = torch.sort(torch.where((local >= 0) & (local < n), local, n), stable=True)  # others' last
+    inside = (local >= 0) & (local < n)
+    slot = n - 1 - local if descending else local
+    key, order = torch.sort(torch.where(inside, slot, n), stable=True)  # others' last
     rows, mine = order // k, (key < n).unsqueeze(-1)
     x = flat.index_select(0, rows)
     if grouped:
@@ -337,19 +340,22 @@ def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, fi
     return torch.zeros_like(flat).index_put_((rows,), y, accumulate=True)
 
 
-def _stack_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[n, *shape] view of same-shaped contiguous tensors laid out at equal, ascending spacing in one storage
-    (as stacked experts, or a buffer holding them in order); None otherwise."""
+def _stack_view(tensors: list[torch.Tensor]) -> Optional[tuple[torch.Tensor, bool]]:
+    """([n, *shape] view, descending) of same-shaped contiguous tensors laid out at equal spacing in one storage
+    (as stacked experts, or a buffer holding them in order or in reverse order); the view is in memory order, so
+    `descending` says view[i] is tensors[n - 1 - i]. None when they are not so laid out."""
     first = tensors[0]
     base = first.untyped_storage().data_ptr()
     if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
                and t.untyped_storage().data_ptr() == base for t in tensors):
         return None
-    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
-    if step < first.numel() or any(t.storage_offset() != first.storage_offset() + i * step
-                                   for i, t in enumerate(tensors)):
+    descending = len(tensors) > 1 and tensors[1].storage_offset() < first.storage_offset()
+    ordered = tensors[::-1] if descending else tensors
+    low = ordered[0]
+    step = ordered[1].storage_offset() - low.storage_offset() if len(tensors) > 1 else low.numel()
+    if step < low.numel() or any(t.storage_offset() != low.storage_offset() + i * step for i, t in enumerate(ordered)):
         return None
-    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+    return low.as_strided((len(tensors), *low.shape), (step, *low.stride()), low.storage_offset()), descending
 
 
 class _ExpertStack:
@@ -358,19 +364,23 @@ class _ExpertStack:
     never a second copy: when the experts already lie at equal spacing in one buffer (stacked, or in order in a
     flat buffer) that buffer is viewed; when each owns its memory, the parameters are moved once into one
     stacked tensor (`param.data` becomes a slice of it, so in-place updates and checkpoint loads show through).
-    None when neither holds (e.g. experts out of order in a shared buffer): the host-synced path is taken."""
+    Experts lying last first (a distributed optimizer's buffer) are viewed as they lie, `descending`. None when
+    neither holds (e.g. experts out of order in a shared buffer): the host-synced path is taken."""
 
     def __init__(self, experts: list[tuple[torch.Tensor, torch.Tensor]]):
         self.experts = experts
-        self.fc1, self.fc2 = (self._stack([e[i] for e in experts]) for i in (0, 1))
+        (self.fc1, down1), (self.fc2, down2) = (self._stack([e[i] for e in experts]) for i in (0, 1))
+        if down1 != down2:  # one grouped order must serve both projections
+            self.fc1 = self.fc2 = None
+        self.descending = down1
 
     @staticmethod
-    def _stack(params: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _stack(params: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], bool]:
         view = _stack_view(params)
         owned = all(isinstance(p, torch.nn.Parameter) and p.is_contiguous()
                     and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in params)
         if view is not None or not owned or len({(p.shape, p.dtype, p.device) for p in params}) != 1:
-            return view
+            return view if view is not None else (None, False)
         with torch.inference_mode(False), torch.no_grad():  # plain tensors: training may update them in place
             stacked = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
             for i, p in enumerate(params):
@@ -382,9 +392,9 @@ class _ExpertStack:
         """Still views of the experts' memory (a model moved or reloaded into new tensors breaks them)."""
         if self.fc1 is None or self.fc2 is None:
             return False
-        return all(stack[i].data_ptr() == e[j].data_ptr()
-                   for stack, j in ((self.fc1, 0), (self.fc2, 1)) for i, e in ((0, self.experts[0]),
-                                                                              (-1, self.experts[-1])))
+        ends = ((0, -1), (-1, 0)) if self.descending else ((0, 0), (-1, -1))
+        return all(stack[i].data_ptr() == self.experts[e][j].data_ptr()
+                   for stack, j in ((self.fc1, 0), (self.fc2, 1)) for i, e in ends)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -670,11 +680,11 @@ class InferenceEngine:
         sync_free = self.sync_free
         stack = self._expert_stack(mlp) if sync_free else None
         if stack is not None and _grouped_kernel(flat):
-            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, grouped=True)
+            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, True, stack.descending)
         elif _dense_decode(flat, chosen.size(1), self.config.num_moe_experts, sync_free):
             out = _moe_dense(flat, chosen, weights, experts, first)
         elif stack is not None and flat.size(0) * chosen.size(1) < len(experts):
-            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, grouped=False)
+            out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, False, stack.descending)
         elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             per_token = []
             for t, (token_experts, token_weights) in enumerate(zip(chosen.tolist(), weights.tolist())):

@@ -327,9 +327,34 @@ def test_gpu_path_reads_only_the_sampled_tokens_on_the_host(engine, grouped, mon
     CPU by switching the GPU path on; tokens and logprobs equal the host-synced path's. `grouped`: the routed
     experts as torch's grouped GEMM (the bf16 Hopper kernel; its CPU stand-in here), else each decode token's
     experts gathered from the stacked weights."""
+    eng, _ = engine
+    _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gathered-experts", "grouped-gemm"])
+def test_gpu_path_has_no_host_sync_on_a_distributed_optimizer_model(engine, grouped, monkeypatch, request):
+    """The same on the model RL generates with: wrapped in DDP with the distributed optimizer, whose buffer holds
+    the experts last first (Megatron-Core lays parameters out in reverse). Those are stacked as they lie (a
+    descending view, no copy), not sent down the host-synced path."""
+    from megatron_ext.inference.engine import _ExpertStack
+
+    preset = request.node.callspec.params["engine"]  # the fixture's preset, on its distributed state
+    args = parse_args(["--model", preset, "--mock-data", "--use-distributed-optimizer"], world_size=1)
+    ddp = build_model(args, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
+    ddp.eval()
+    eng = InferenceEngine(ddp)
+    layers = [layer.mlp for layer in eng.layers if hasattr(layer.mlp, "router")]
+    stacks = [_ExpertStack(eng._experts[id(mlp)]) for mlp in layers]
+    assert layers and all(s.fc1 is not None and s.descending for s in stacks)  # reversed in the shared buffer
+    for mlp, stack in zip(layers, stacks):
+        experts = eng._experts[id(mlp)]
+        assert all(stack.fc1[len(experts) - 1 - i].data_ptr() == fc1.data_ptr() for i, (fc1, _) in enumerate(experts))
+    _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch)
+
+
+def _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch):
     from megatron_ext.inference import engine as engine_module
 
-    eng, _ = engine
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (5, 11)]
     cases = [([prompts[0]], SamplingParams(max_tokens=6, temperature=0.0, seed=0)),  # one sequence, greedy
@@ -417,8 +442,9 @@ def test_draft_costs_are_measured_once_per_engine(engine):
         eng.draft_costs, eng.speculation_decisions = saved
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_sync_free_experts_skip_other_ranks_experts(grouped):
+def test_sync_free_experts_skip_other_ranks_experts(grouped, descending):
     """Expert parallelism: a rank holding experts 4-7 of 8 sums only the (token, expert) pairs routed to its own
     experts; pairs of other ranks' experts contribute nothing (their rows, sorted last, are computed but masked)."""
     from megatron_ext.inference.engine import _moe_indexed, _swiglu
@@ -433,5 +459,7 @@ def test_sync_free_experts_skip_other_ranks_experts(grouped):
         for e, w in zip(chosen[t].tolist(), weights[t].tolist()):
             if 4 <= e < 8:
                 expected[t] += w * _swiglu(flat[t: t + 1], fc1[e - 4], fc2[e - 4])[0]
-    got = _moe_indexed(flat, chosen, weights, fc1, fc2, first=4, grouped=grouped)
+    if descending:  # stacks holding the last expert first (a distributed optimizer's buffer)
+        fc1, fc2 = fc1.flip(0), fc2.flip(0)
+    got = _moe_indexed(flat, chosen, weights, fc1, fc2, 4, grouped, descending)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
