@@ -83,6 +83,7 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
                     eval_interval=args.rl_eval_interval, eval_samples=args.rl_eval_samples,
                     eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup,
                     speculative=args.rl_speculative, speculative_depth=args.rl_speculative_depth,
+                    speculative_policy=args.rl_speculative_policy or "auto",
                     remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir,
                     fleet=fleet_config(args), new_prompts=args.rl_new_prompts)
 
@@ -114,7 +115,7 @@ def main(argv=None):
             from megatron_ext.rl.workers import EngineBackendFactory, worker_model_args
 
             backend = EngineBackendFactory(worker_model_args(args), cfg.speculative,
-                                           cfg.speculative_depth)
+                                           cfg.speculative_depth, cfg.speculative_policy)
         trainer = RLTrainer(args, cfg, tasks, make_env, log=log, backend_factory=backend)
         if hasattr(make_env, "attach"):  # the swarm's pinned sub-agent policy copies the trainer's weights
             make_env.attach(trainer)

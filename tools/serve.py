@@ -40,6 +40,11 @@ def _serve_args(parser: argparse.ArgumentParser):
                    help="serve a randomly initialised model (smoke tests, demos) instead of a checkpoint; /health and "
                         "/v1/models then report random_weights: true. Without --load (or --hf-dir) this flag is "
                         "required, and a --load that holds no checkpoint is an error even with --load-optional")
+    g.add_argument("--speculation", choices=("auto", "always"), default="auto",
+                   help="requests with \"speculative\": true (MTP drafting): 'auto' decodes a batch plainly (the "
+                        "same tokens) when drafting is not expected to pay at its size (draft, verify and plain "
+                        "step costs measured once per batch-size bucket, acceptance observed so far; the decision "
+                        "is logged when it changes); 'always' drafts whenever asked")
     g.add_argument("--inference-max-seq-length", type=int, default=None,
                    help="context (prompt + generated tokens) to serve; default: the model's trained context "
                         "(--max-position-embeddings). Beyond it only for YaRN models: the YaRN factor is raised so "
@@ -117,7 +122,8 @@ def build_service(args):
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     peers = ModelParallelServing() if ModelParallelServing.needed() else None
     service = ModelService(InferenceEngine(model[0]), args.served_model_name or args.model, tokenizer=tokenizer,
-                           reload=CheckpointReload(args, model[0], log=print), peers=peers)
+                           reload=CheckpointReload(args, model[0], log=print), peers=peers,
+                           speculation=args.speculation)
     service.random_weights = getattr(args, "random_weights", False)
     return service
 

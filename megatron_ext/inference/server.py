@@ -71,8 +71,11 @@ class ModelService:
 
     def __init__(self, engine: InferenceEngine, name: str, tokenizer=None,
                  reload: Optional[Callable[[str], None]] = None, peers: Optional["ModelParallelServing"] = None,
-                 max_batch_rows: int = 64):
+                 max_batch_rows: int = 64, speculation: str = "always"):
+        if speculation not in ("auto", "always"):
+            raise ValueError(f"speculation must be 'auto' or 'always', got {speculation!r}")
         self.engine, self.name, self.tokenizer, self._reload = engine, name, tokenizer, reload
+        self.speculation = speculation  # "auto": speculative batches that would not gain decode plainly
         self.peers, self.max_batch_rows = peers, max_batch_rows
         self.random_weights = False  # tools/serve.py --random-weights, until a checkpoint is reloaded
         if tokenizer is not None:
@@ -268,7 +271,8 @@ class ModelService:
             return self.engine.generate_groups(prompts, counts, params, on_token=on_token)
         if name == "speculative_groups":
             prompts, counts, params = args
-            return generate_speculative_groups(self.engine, prompts, counts, params, self.stats, on_token=on_token)
+            return generate_speculative_groups(self.engine, prompts, counts, params, self.stats, on_token=on_token,
+                                               policy=self.speculation)
         if name == "reload":  # (path) or (path, version): new weights, the version given or the next one
             path, version = args if len(args) == 2 else (args[0], None)
             self._reload(path)

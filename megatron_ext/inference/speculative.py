@@ -76,8 +76,9 @@ MIN_CHECKED = 32
 
 @dataclass
 class DraftCosts:
-    """Seconds, batch 1 at a short context, of a plain decode step (one token and its logits), of a verify
-    forward (the newest token and `depth` drafts) and of one MTP layer's draft (one position and its logits)."""
+    """Seconds, for a batch of rows at a short context, of a plain decode step (one token per row and its
+    logits), of a verify forward (each row's newest token and `depth` drafts) and of one MTP layer's draft (one
+    position per row and its logits)."""
     main: float
     verify: float
     draft: float
@@ -98,30 +99,39 @@ class SpeculationPlan:
     speedup: float  # expected, from the costs and the acceptance below
     acceptance: list[float]  # per draft position: observed (>= MIN_CHECKED drafts) or the prior 1.0
     costs: DraftCosts
+    batch: int = 1  # the batch bucket the costs were measured at
 
 
-def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, context: int = 32) -> DraftCosts:
-    """Time a plain step, a verify forward and a draft on scratch caches (medians of `repeats` rounds after a
-    warm-up, the three interleaved so that load from other processes hits them alike)."""
+def batch_bucket(rows: int) -> int:
+    """The batch size whose costs stand for a batch of `rows` (the next power of two, at most 64): costs are
+    measured once per bucket, not once per batch size."""
+    return min(1 << max(rows - 1, 0).bit_length(), 64)
+
+
+def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, context: int = 32,
+                        batch: int = 1) -> DraftCosts:
+    """Time a plain step, a verify forward and a draft of `batch` rows on scratch caches (medians of `repeats`
+    rounds after a warm-up, the three interleaved so that load from other processes hits them alike)."""
     dev = engine.device
-    ids = (torch.arange(context + depth + 1, device=dev) * 7919 % engine.vocab_size).unsqueeze(0)
-    main_cache = engine.new_cache(len(engine.layers), 1, context + depth + 2)
-    mtp_cache = engine.new_cache(depth, 1, context + depth + 2)
+    ids = (torch.arange(context + depth + 1, device=dev) * 7919 % engine.vocab_size).unsqueeze(0).repeat(batch, 1)
+    ids = (ids + torch.arange(batch, device=dev).unsqueeze(1) * 104729) % engine.vocab_size  # rows route apart
+    main_cache = engine.new_cache(len(engine.layers), batch, context + depth + 2)
+    mtp_cache = engine.new_cache(depth, batch, context + depth + 2)
 
     def positions(start, count):
-        return torch.arange(start, start + count, device=dev).unsqueeze(0)
+        return torch.arange(start, start + count, device=dev).unsqueeze(0).expand(batch, -1)
 
     def at(n):
-        return torch.tensor([n], dtype=torch.long, device=dev)
+        return torch.full((batch,), n, dtype=torch.long, device=dev)
 
     with torch.inference_mode(), engine.generating():
-        hidden = engine.hidden(ids[:, :context], positions(0, context), main_cache, at(0), host_lengths=[0])
+        hidden = engine.hidden(ids[:, :context], positions(0, context), main_cache, at(0), host_lengths=[0] * batch)
         runs = {
             "main": lambda: engine.logits(engine.hidden(ids[:, context: context + 1], positions(context, 1),
-                                                        main_cache, at(context), host_lengths=[context])),
+                                                        main_cache, at(context), host_lengths=[context] * batch)),
             "verify": lambda: engine.logits(engine.hidden(ids[:, context: context + depth + 1],
                                                           positions(context, depth + 1), main_cache, at(context),
-                                                          host_lengths=[context])),
+                                                          host_lengths=[context] * batch)),
             "draft": lambda: engine.logits(engine.mtp_hidden(0, hidden[-1:], ids[:, context: context + 1],
                                                              positions(context - 1, 1), mtp_cache,
                                                              at(context - 1))),
@@ -140,16 +150,19 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
     return DraftCosts(**{name: statistics.median(t) for name, t in times.items()})
 
 
-def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None
-                     ) -> SpeculationPlan:
-    """Whether drafting `depth` tokens per round is expected to beat plain decoding on this engine: its draft
-    and verify costs against a plain step (measured once per engine and depth, `engine.draft_costs`), and the
-    acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
-    is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a
-    request agree (speculate only if all expect it to pay). One log line when the decision changes."""
-    costs = engine.draft_costs.get(depth)
+def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None,
+                     rows: int = 1) -> SpeculationPlan:
+    """Whether drafting `depth` tokens per round is expected to beat plain decoding on this engine for a batch
+    of `rows` sequences: its draft and verify costs against a plain step (measured once per engine, depth and
+    batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs relatively less where a step is
+    bound by reading weights, more where it is bound by arithmetic), and the acceptance `stats` observed so far
+    at each draft position (the prior: every draft accepted, so that a model is only decoded plainly from the
+    start when even perfect drafts cannot pay). Ranks that cooperate on a request agree (speculate only if all
+    expect it to pay). One log line when the decision for a (depth, bucket) changes."""
+    key = (depth, batch_bucket(rows))
+    costs = engine.draft_costs.get(key)
     if costs is None:
-        costs = engine.draft_costs[depth] = measure_draft_costs(engine, depth)
+        costs = engine.draft_costs[key] = measure_draft_costs(engine, depth, batch=key[1])
     observed = (stats or SpeculationStats()).acceptance_by_depth(depth, MIN_CHECKED)
     acceptance = [1.0 if a is None else a for a in observed]
     speedup = costs.speedup(acceptance)
@@ -160,9 +173,9 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
         for group in groups:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         speculate = bool(flag.item())
-    plan = SpeculationPlan(speculate, speedup, acceptance, costs)
-    if engine.speculation_decisions.get(depth) != speculate:
-        engine.speculation_decisions[depth] = speculate
+    plan = SpeculationPlan(speculate, speedup, acceptance, costs, key[1])
+    if engine.speculation_decisions.get(key) != speculate:
+        engine.speculation_decisions[key] = speculate
         log.warning(describe_plan(plan, depth))
     return plan
 
@@ -170,8 +183,9 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
 def describe_plan(plan: SpeculationPlan, depth: int) -> str:
     c = plan.costs
     acceptance = ", ".join(f"{a:.2f}" for a in plan.acceptance)
-    return (f"speculative decoding {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) per "
-            f"round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, verify {c.verify * 1e3:.2f} ms, "
+    rows = f" at batch {plan.batch}" if plan.batch > 1 else ""
+    return (f"speculative decoding{rows} {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) "
+            f"per round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, verify {c.verify * 1e3:.2f} ms, "
             f"draft {c.draft * 1e3:.2f} ms, acceptance by position {acceptance})")
 
 

@@ -20,17 +20,23 @@ import torch
 
 from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, group_counts, sampling_probs
 from megatron_ext.inference.speculative import (SpeculationStats, _draw, append_token, draft_depth, pick,
-                                                verify_drafts)
+                                                plan_speculation, verify_drafts)
 
 
 @torch.inference_mode()
 def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]], n: int | list[int],
                                 params: SamplingParams | list[SamplingParams], stats: Optional[SpeculationStats] = None,
                                 depth: Optional[int] = None,
-                                on_token: Optional[Callable[[int, int, float], None]] = None) -> list[list[Completion]]:
+                                on_token: Optional[Callable[[int, int, float], None]] = None,
+                                policy: str = "always") -> list[list[Completion]]:
     """`n` samples of each prompt (or n[i] of prompt i) with MTP drafting, batched; sample j of a prompt whose
     params have seed s draws with seed s + j (as `generate_groups`); result[i][j]. `on_token(row, token_id,
-    logprob)` is called as each token is emitted, rows numbered prompt by prompt, sample by sample."""
+    logprob)` is called as each token is emitted, rows numbered prompt by prompt, sample by sample. `policy`
+    "auto": decode the batch plainly (`generate_groups`, the same tokens) when drafting is not expected to pay at
+    this batch size (`plan_speculation` with costs measured per batch bucket; the plan is left in `stats.plan`),
+    "always": draft."""
+    if policy not in ("auto", "always"):
+        raise ValueError(f"speculation policy must be 'auto' or 'always', got {policy!r}")
     depth = draft_depth(engine, depth)
     counts, per_prompt = group_counts(prompts, n, params)
     prompt_of = [i for i, c in enumerate(counts) for _ in range(c)]
@@ -42,6 +48,10 @@ def generate_speculative_groups(engine: InferenceEngine, prompts: list[list[int]
     seeds = engine.agreed_seeds([p.seed + j if p.seed is not None else None
                                  for p, c in zip(per_prompt, counts) for j in range(c)])
     stats = stats if stats is not None else SpeculationStats()
+    if policy == "auto":
+        stats.plan = plan_speculation(engine, depth, stats, rows=len(rows))
+        if not stats.plan.speculate:
+            return engine.generate_groups(prompts, n, params, on_token)
     with engine.generating():
         flat = _Rows(engine, prompts, counts, rows, seeds, stats, depth, on_token).run()
     starts = [sum(counts[:i]) for i in range(len(counts) + 1)]

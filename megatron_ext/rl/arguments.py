@@ -79,6 +79,11 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "the acceptance (accepted / proposed drafts) is logged each step as 'mtp acceptance'")
     s.add_argument("--rl-speculative-depth", type=int, default=None,
                    help="MTP layers drafting with --rl-speculative (default: all of them)")
+    s.add_argument("--rl-speculative-policy", choices=("auto", "always"), default=None,
+                   help="with --rl-speculative: 'auto' (default) decodes a generation call plainly (the same "
+                        "tokens) when drafting is not expected to pay at its batch size: draft, verify and plain "
+                        "step costs measured once per batch-size bucket, acceptance observed since the step began, "
+                        "the decision logged when it changes; 'always' drafts in every call")
     s.add_argument("--rl-remote-servers", nargs="+", default=None, metavar="URL",
                    help="generate on these SGLang-native inference servers (tools/serve.py, or SGLang with "
                         "--enable-return-routed-experts) instead of the trainer's ranks; token ids in and out, "
@@ -173,6 +178,11 @@ def validate_rl_args(args: argparse.Namespace):
     mtp = args.arch.mtp_num_layers or 0
     if args.rl_speculative and not mtp:
         fail("--rl-speculative drafts with the MTP layers: the model needs --mtp-num-layers >= 1")
+    if args.rl_speculative_policy is not None and not args.rl_speculative:
+        fail("--rl-speculative-policy needs --rl-speculative")
+    if args.rl_speculative_policy is not None and args.rl_remote_servers:
+        fail("--rl-speculative-policy applies to rollouts generated here; remote servers decide for themselves "
+             "(tools/serve.py --speculation auto|always)")
     if args.rl_speculative_depth is not None:
         if not args.rl_speculative:
             fail("--rl-speculative-depth needs --rl-speculative")

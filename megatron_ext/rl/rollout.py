@@ -44,10 +44,16 @@ class EngineGenerate:
     (inference/speculative_batch.py; `draft_depth` MTP layers, default all): lossless, i.e. the main model's
     distribution (greedy: the very tokens of plain decoding), with the main model's raw and sampled
     log-probabilities, versions and routing for every token; the same seeds. `pop_speculation()` returns the drafts
-    accepted and proposed since its last call."""
+    accepted and proposed since its last call (and starts acceptance over). `speculation_policy` "auto": a call
+    whose batch is not expected to gain from drafting (costs measured per batch size, acceptance observed since
+    the last pop) is decoded plainly, the same tokens; "always": every call drafts."""
 
-    def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None):
+    def __init__(self, engine, speculative: bool = False, draft_depth: Optional[int] = None,
+                 speculation_policy: str = "always"):
         self.engine, self.speculative, self.draft_depth = engine, speculative, draft_depth
+        if speculation_policy not in ("auto", "always"):
+            raise ValueError(f"speculation policy must be 'auto' or 'always', got {speculation_policy!r}")
+        self.speculation_policy = speculation_policy
         self.stats = None
         self.batch_rows: collections.Counter = collections.Counter()  # rows of an engine batch -> batches
         self.step_rows: collections.Counter = collections.Counter()  # continuous: rows decoding -> decode steps
@@ -140,7 +146,8 @@ class EngineGenerate:
     def _speculative(self, prompts, n, params):
         from megatron_ext.inference.speculative_batch import generate_speculative_groups
 
-        return generate_speculative_groups(self.engine, prompts, n, params, self.stats, self.draft_depth)
+        return generate_speculative_groups(self.engine, prompts, n, params, self.stats, self.draft_depth,
+                                           policy=self.speculation_policy)
 
     def pop_speculation(self) -> dict[str, int]:
         """Drafts proposed and accepted, main-model forwards and tokens since the last call (zeros without

@@ -75,6 +75,7 @@ class RLConfig:
     fleet: Optional["FleetConfig"] = None  # generation on Ray rollout workers (asynchronous); None: colocated
     speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
     speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
+    speculative_policy: str = "always"  # "auto": a batch not expected to gain from drafting decodes plainly
     remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
     remote_weights_dir: Optional[str] = None  # where each step's weights go for the servers to reload
     new_prompts: bool = False  # resume on a different prompt file: its cursor starts at 0 (--rl-new-prompts)
@@ -254,7 +255,8 @@ class RLTrainer:
 
             self.engine = InferenceEngine(self.model[0], weights_version=self.iteration)
             self.generate = EngineGenerate(self.engine, speculative=cfg.speculative,
-                                           draft_depth=cfg.speculative_depth)
+                                           draft_depth=cfg.speculative_depth,
+                                           speculation_policy=cfg.speculative_policy)
         self.orchestrator = self.fleet = None
         if cfg.fleet is not None:
             if self._fleet_by_path() and not cfg.remote_servers:  # Ray workers' first weights: DIR/v<iteration>
@@ -508,7 +510,8 @@ class RLTrainer:
 
     def _speculation(self) -> dict[str, float]:
         """MTP drafts accepted / proposed since the last call, over every generation replica or remote request
-        ('mtp acceptance'), and tokens per main-model forward; empty without --rl-speculative."""
+        ('mtp acceptance'), and tokens per main-model forward; empty without --rl-speculative or when nothing
+        was drafted."""
         pop = getattr(self.generate, "pop_speculation", None)
         if not self.cfg.speculative or pop is None:
             return {}
@@ -518,6 +521,8 @@ class RLTrainer:
                              dtype=torch.float64, device=device)
         dist.all_reduce(total)  # each engine replica's ranks count the same drafts: the ratios are unchanged
         accepted, drafted, tokens, forwards = total.tolist()
+        if not drafted:  # every call of the step decoded plainly (--rl-speculative-policy auto stepped aside)
+            return {}
         return {"mtp acceptance": accepted / max(drafted, 1.0), "mtp tokens per forward": tokens / max(forwards, 1.0)}
 
     def _sync_reward_weights(self, step: int):

@@ -160,7 +160,8 @@ class EngineBackend:
     """An InferenceEngine on a fresh one-rank replica of the trainer's model (Megatron-Core's parallel state of
     size 1 in this process; weights until the first `apply` are the initialisation's)."""
 
-    def __init__(self, model_args: argparse.Namespace, speculative: bool = False, draft_depth: Optional[int] = None):
+    def __init__(self, model_args: argparse.Namespace, speculative: bool = False, draft_depth: Optional[int] = None,
+                 speculation_policy: str = "always"):
         from megatron_ext.inference.engine import InferenceEngine
         from megatron_ext.training.initialize import initialize_distributed
         from megatron_ext.training.step import build_model
@@ -171,7 +172,8 @@ class EngineBackend:
         self.model[0].eval()
         self.engine = InferenceEngine(self.model[0], weights_version=-1)
         # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
-        self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth)
+        self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth,
+                                       speculation_policy=speculation_policy)
 
     @property
     def version(self) -> int:
@@ -197,9 +199,10 @@ class EngineBackendFactory:
     model_args: argparse.Namespace
     speculative: bool = False
     draft_depth: Optional[int] = None
+    speculation_policy: str = "always"
 
     def __call__(self) -> EngineBackend:
-        return EngineBackend(self.model_args, self.speculative, self.draft_depth)
+        return EngineBackend(self.model_args, self.speculative, self.draft_depth, self.speculation_policy)
 
 
 # ---- several requests, one engine ----------------------------------------------------------------------------

@@ -381,7 +381,7 @@ def _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch):
 def _plan_costs(eng, costs):
     """Injects measured costs for one draft position (restored by the caller's finally)."""
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
-    eng.draft_costs[1] = costs
+    eng.draft_costs[(1, 1)] = costs
     eng.speculation_decisions.clear()
     return saved
 
@@ -436,7 +436,10 @@ def test_draft_costs_are_measured_once_per_engine(engine):
     eng.draft_costs.clear()
     try:
         plan = plan_speculation(eng, 1)
-        assert eng.draft_costs[1] is plan.costs and plan_speculation(eng, 1).costs is plan.costs
+        assert eng.draft_costs[(1, 1)] is plan.costs and plan_speculation(eng, 1).costs is plan.costs
+        batched = plan_speculation(eng, 1, rows=3)  # a batch of 3: measured at 4 rows, once
+        assert batched.batch == 4 and eng.draft_costs[(1, 4)] is batched.costs
+        assert all(0 < getattr(batched.costs, k) < 10 for k in ("main", "verify", "draft"))
         assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > 1)
     finally:
         eng.draft_costs, eng.speculation_decisions = saved

@@ -129,6 +129,44 @@ def test_batched_speculation_equals_one_sample_at_a_time(engine, engine_mtp2, mo
         assert batched.accepted > 0  # the accepting branch ran
 
 
+@pytest.mark.parametrize("case", ["cannot-pay", "pays"])
+def test_speculative_rollouts_step_aside_per_batch_size(engine, case, caplog):  # noqa: F811
+    """Issue 32 item 3, batched. Costs measured per batch-size bucket (here given for the bucket of 6 rows: 8):
+    where drafting cannot pay at that size, `speculation_policy="auto"` decodes the call plainly (the very tokens,
+    nothing drafted) and logs one line naming the batch; where it pays, the call drafts (lossless). A pop starts
+    acceptance over, so a later step probes again."""
+    from megatron_ext.inference.speculative import DraftCosts, batch_bucket
+
+    eng, _ = engine
+    assert [batch_bucket(n) for n in (1, 2, 3, 6, 8, 9, 500)] == [1, 2, 4, 8, 8, 16, 64]
+    costs = {"cannot-pay": DraftCosts(main=1.0, verify=1.6, draft=0.5),
+             "pays": DraftCosts(main=1.0, verify=1.1, draft=0.1)}[case]
+    sampling = Sampling(max_tokens=8, temperature=0.0, return_routing=True)
+    plain = EngineGenerate(eng)(PROMPTS, 2, sampling)
+    saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
+    eng.draft_costs[(1, 8)] = costs
+    eng.speculation_decisions.clear()
+    try:
+        gen = EngineGenerate(eng, speculative=True, speculation_policy="auto")
+        with caplog.at_level("INFO", logger="megatron_ext.inference.speculative"):
+            spec = gen(PROMPTS, 2, sampling)
+    finally:
+        eng.draft_costs, eng.speculation_decisions = saved
+    for gs, gp in zip(spec, plain):
+        for a, b in zip(gs, gp):
+            assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+            assert np.array_equal(a.routing, b.routing)
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding at batch 8" in r.getMessage()]
+    assert len(lines) == 1
+    counts = gen.pop_speculation()
+    if case == "pays":
+        assert "on:" in lines[0] and counts["drafted"] > 0
+    else:
+        assert "off (decoding plainly)" in lines[0] and counts["drafted"] == 0 and counts["tokens"] == 0
+    with pytest.raises(ValueError, match="policy"):
+        EngineGenerate(eng, speculative=True, speculation_policy="sometimes")
+
+
 def test_a_model_without_mtp_layers_is_refused(engine):  # noqa: F811
     eng, _ = engine
 
@@ -144,6 +182,10 @@ def test_a_model_without_mtp_layers_is_refused(engine):  # noqa: F811
     (["--mtp-num-layers", "0", "--rl-speculative"], "needs --mtp-num-layers >= 1"),
     (["--rl-speculative-depth", "1"], "needs --rl-speculative"),
     (["--rl-speculative", "--rl-speculative-depth", "2"], "between 1 and --mtp-num-layers (1)"),
+    (["--rl-speculative-policy", "always"], "needs --rl-speculative"),
+    (["--rl-speculative", "--rl-speculative-policy", "auto", "--rl-remote-servers", "http://127.0.0.1:1",
+      "--rl-remote-weights-dir", "/tmp/w"],
+     "serve.py --speculation"),
 ])
 def test_speculative_flags_are_checked(flags, words):
     args = parse_args(["--model", "tiny", "--mock-data", "--rl-prompts", "x.jsonl", *flags], world_size=1,
@@ -160,7 +202,7 @@ def test_rl_run_logs_the_acceptance_every_step(tmp_path):
     logs = str(tmp_path / "logs")
     tb = str(tmp_path / "tb")
     p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
-                     "--rl-speculative", "--tensorboard-dir", tb, "--grpo-max-response-length", "12",
+                     "--rl-speculative", "--rl-speculative-policy", "always", "--tensorboard-dir", tb, "--grpo-max-response-length", "12",
                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--rl-routing-replay"], nproc=2)
     lines = [line for line in p.stdout.splitlines() if " iteration " in line and "mtp acceptance" in line]
     assert len(lines) == 2, p.stdout[-2000:]

@@ -88,6 +88,31 @@ def test_completion_with_token_ids_and_logprobs(server):
     assert status == 200 and spec["choices"][0]["token_ids"] == choice["token_ids"]
 
 
+def test_speculation_auto_decodes_plainly_where_drafting_cannot_pay(served):
+    """`tools/serve.py --speculation auto`: a speculative request whose batch cannot gain from drafting (costs
+    for its batch bucket given here) gets the plain tokens and nothing is drafted; `always` drafts."""
+    from megatron_ext.inference.speculative import DraftCosts
+
+    url, _, service, _ = served
+    body = {"prompt": [4, 5, 6], "max_tokens": 6, "temperature": 0}
+    _, plain = _call(url, "/v1/completions", body)
+    engine = service.engine
+    saved = dict(engine.draft_costs), dict(engine.speculation_decisions), service.speculation
+    engine.draft_costs[(1, 1)] = DraftCosts(main=1.0, verify=1.6, draft=0.5)  # 2 tokens for 2.1 steps at best
+    try:
+        drafted = []
+        for policy in ("auto", "always"):
+            service.speculation, before = policy, service.stats.drafted
+            status, spec = _call(url, "/v1/completions", dict(body, speculative=True))
+            assert status == 200 and spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+            drafted.append(service.stats.drafted - before)
+    finally:
+        engine.draft_costs, engine.speculation_decisions, service.speculation = saved
+    assert drafted[0] == 0 and drafted[1] > 0
+    with pytest.raises(ValueError, match="speculation"):
+        ModelService(engine, "tiny", speculation="sometimes")
+
+
 @pytest.mark.parametrize("body, status, words", [
     (b"{not json", 400, "not valid JSON"),
     ([1, 2], 400, "JSON object"),
