@@ -185,7 +185,8 @@ def describe_plan(plan: SpeculationPlan, depth: int) -> str:
     acceptance = ", ".join(f"{a:.2f}" for a in plan.acceptance)
     rows = f" at batch {plan.batch}" if plan.batch > 1 else ""
     return (f"speculative decoding{rows} {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) "
-            f"per round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, verify {c.verify * 1e3:.2f} ms, "
+            f"per round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, "
+            f"verify {c.verify * 1e3:.2f} ms, "
             f"draft {c.draft * 1e3:.2f} ms, acceptance by position {acceptance})")
 
 

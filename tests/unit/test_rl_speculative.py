@@ -202,7 +202,8 @@ def test_rl_run_logs_the_acceptance_every_step(tmp_path):
     logs = str(tmp_path / "logs")
     tb = str(tmp_path / "tb")
     p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
-                     "--rl-speculative", "--rl-speculative-policy", "always", "--tensorboard-dir", tb, "--grpo-max-response-length", "12",
+                     "--rl-speculative", "--rl-speculative-policy", "always", "--tensorboard-dir", tb,
+                     "--grpo-max-response-length", "12",
                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--rl-routing-replay"], nproc=2)
     lines = [line for line in p.stdout.splitlines() if " iteration " in line and "mtp acceptance" in line]
     assert len(lines) == 2, p.stdout[-2000:]
