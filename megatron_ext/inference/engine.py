@@ -1061,22 +1061,8 @@ class _Batch:
             raise RuntimeError(f"the weights changed (version {self.version} -> {eng.weights_version}) while rows "
                                "were decoding, outside the engine's between_steps hook: their cache is stale")
         prompt_of = _prompt_of(counts)
-        new = list(range(self.next_row, self.next_row + len(rows)))
-        self.next_row += len(rows)
-        for r, i, params, seed in zip(new, prompt_of, rows, seeds):
-            self.rows[r], self.out[r] = params, Completion(prompt_ids=list(prompts[i]))
-            self.generators[r], self.want_routing[r] = eng.generator(seed), params.return_routing
-        greedy = [p.temperature == 0 for p in rows]
-
-        def grow(t: torch.Tensor, values) -> torch.Tensor:
-            return torch.cat((t, torch.tensor(values, dtype=t.dtype, device=dev)))
-
-        self.temperature = grow(self.temperature, [p.temperature if p.temperature > 0 else 1.0 for p in rows])
-        self.top_k = grow(self.top_k, [p.top_k for p in rows])
-        self.top_p = grow(self.top_p, [p.top_p for p in rows])
-        self.greedy = grow(self.greedy, greedy)
-
-        # prefill each prompt once: right-padded; pad positions write latents that decoding overwrites
+        # prefill each prompt once: right-padded; pad positions write latents that decoding overwrites. Nothing of
+        # the batch changes before it succeeded (a prefill that raises, e.g. out of memory, leaves the batch whole)
         lens = [len(p) for p in prompts]
         width, P = max(lens), len(prompts)
         max_len = max(lens[i] + r.max_tokens for i, r in zip(prompt_of, rows))
@@ -1097,6 +1083,21 @@ class _Batch:
         if any(c != 1 for c in counts):  # fork each prompt's cache to its samples
             cache.fork(counts_t)
             last = last.repeat_interleave(counts_t, dim=0)
+
+        new = list(range(self.next_row, self.next_row + len(rows)))
+        self.next_row += len(rows)
+        for r, i, params, seed in zip(new, prompt_of, rows, seeds):
+            self.rows[r], self.out[r] = params, Completion(prompt_ids=list(prompts[i]))
+            self.generators[r], self.want_routing[r] = eng.generator(seed), params.return_routing
+        greedy = [p.temperature == 0 for p in rows]
+
+        def grow(t: torch.Tensor, values) -> torch.Tensor:
+            return torch.cat((t, torch.tensor(values, dtype=t.dtype, device=dev)))
+
+        self.temperature = grow(self.temperature, [p.temperature if p.temperature > 0 else 1.0 for p in rows])
+        self.top_k = grow(self.top_k, [p.top_k for p in rows])
+        self.top_p = grow(self.top_p, [p.top_p for p in rows])
+        self.greedy = grow(self.greedy, greedy)
         if record:
             table = torch.stack(routing, dim=1).view(width, P, len(routing), -1).to(torch.int16)
             for r, i in zip(new, prompt_of):

@@ -163,3 +163,32 @@ def test_a_batch_that_never_empties_keeps_only_its_live_rows(models):
     while batch.decoding:
         done.update(batch.step())
     assert len(done) == 7 and len(done[long][0][0].token_ids) == 40 and batch._batch.rows == {}
+
+
+def test_a_prefill_that_fails_leaves_the_batch_whole(models, monkeypatch):
+    """A joining request whose prefill raises (out of memory, say) fails alone: nothing of it was recorded, and
+    the rows in flight finish with the samples they draw alone."""
+    served, _ = models
+    eng = InferenceEngine(served)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, return_routing=True)
+    want = eng.generate_groups([_prompt(3, 5)], 2, params)
+    batch = eng.continuous()
+    rid = batch.add([_prompt(3, 5)], 2, params)
+    batch.step()
+    hidden = eng.hidden
+
+    def failing(tokens, *args, **kwargs):
+        if tokens.size(1) > 1:  # a prefill, not a decode step
+            raise RuntimeError("out of memory (simulated)")
+        return hidden(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(eng, "hidden", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        batch.add([_prompt(9, 7)], 3, params)
+    monkeypatch.undo()
+    assert batch.decoding == 2 and batch.requests == 1
+    out = {}
+    while batch.decoding:
+        out.update(batch.step())
+    assert list(out) == [rid]
+    _same(out[rid], want)
