@@ -347,6 +347,60 @@ def _patch_gloo_all_to_all():
     dist.all_to_all_single = all_to_all_single
 
 
+def _patch_single_rank_object_collectives():
+    """Object collectives (`all_gather_object`, `gather_object`, `scatter_object_list`, `broadcast_object_list`)
+    over a one-rank group, done in the caller's thread: a pickle round trip as torch's own, or nothing for a
+    broadcast from oneself. Through gloo the pickled bytes are copied by one of the process group's worker threads;
+    with intra-op threads > 1 that copy starts a second OpenMP thread team, and from then on libgomp, seeing more
+    threads than CPUs, stops spin-waiting between parallel regions for the rest of the process: every small
+    parallel op (bmm, softmax) then costs a thread wake-up (9 -> 85 us measured on a 2-core VM). Megatron-Core's
+    dist_checkpointing and torch.distributed.checkpoint exchange their metadata and plans this way at every save
+    and load, so a one-process run (tests, benchmarks, a CPU server) ran its small ops ~10x slower after its
+    first checkpoint. Groups of several ranks go to torch unchanged (torchrun's ranks run one thread each)."""
+    import inspect
+    import pickle
+
+    def copy(obj):
+        return pickle.loads(pickle.dumps(obj))
+
+    def alone(group) -> bool:
+        return dist.is_initialized() and dist.get_world_size(group) == 1
+
+    def all_gather_object(a):
+        a["object_list"][0] = copy(a["obj"])
+
+    def gather_object(a):
+        if a.get("object_gather_list") is not None:
+            a["object_gather_list"][0] = copy(a["obj"])
+
+    def scatter_object_list(a):
+        a["scatter_object_output_list"][0] = copy(a["scatter_object_input_list"][0])
+
+    def broadcast_object_list(a):
+        pass
+
+    def bridge(name, local, needs):
+        original = getattr(dist, name)
+        if getattr(original, "_megatron_ext_bridge", False):
+            return
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def collective(*args, **kwargs):
+            a = signature.bind(*args, **kwargs).arguments
+            if alone(a.get("group")) and all(len(a.get(k) or ()) == 1 for k in needs):
+                return local(a)
+            return original(*args, **kwargs)
+
+        collective._megatron_ext_bridge = True
+        setattr(dist, name, collective)
+
+    bridge("all_gather_object", all_gather_object, ("object_list",))
+    bridge("gather_object", gather_object, ())
+    bridge("scatter_object_list", scatter_object_list, ("scatter_object_output_list", "scatter_object_input_list"))
+    bridge("broadcast_object_list", broadcast_object_list, ("object_list",))
+
+
 def install() -> bool:
     """Bridge Megatron-Core to what this process lacks (see `needed_bridges`). Returns whether the CUDA->CPU
     bridges are active. Safe to call any number of times; with CUDA, TE and apex present it does nothing at all.
@@ -374,6 +428,7 @@ def install() -> bool:
         return False
     _patch_torch_cuda()
     _patch_gloo_all_to_all()
+    _patch_single_rank_object_collectives()
     if os.environ.get("MEGATRON_EXT_CPU_COMPILE") != "1":
         # Megatron-Core wraps its fused kernels in torch.compile; on a CPU that costs ~20 s of compilation per
         # process for no gain at development sizes. MEGATRON_EXT_CPU_COMPILE=1 keeps it.

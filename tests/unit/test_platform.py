@@ -134,3 +134,82 @@ def test_force_cpu_takes_the_cpu_path_everywhere():
                          env=env)
     assert out.returncode == 0, out.stderr
     assert "refused: --transformer-impl transformer_engine needs" in out.stdout
+
+
+def test_one_rank_object_collectives_match_torchs_and_stay_in_the_callers_thread():
+    """The bridged object collectives of a one-rank group give what torch's give (copies, not the objects),
+    without the process group's worker threads; groups of several ranks still go to torch."""
+    import torch.distributed as dist
+
+    names = ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list")
+    assert all(getattr(getattr(dist, n), "_megatron_ext_bridge", False) for n in names)
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "from megatron_ext import platform\n"
+        "platform.install()\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29500 + os.getpid() % 1000))\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "obj = {'a': [1, 2], 't': torch.arange(3)}\n"
+        "def same(x, y):\n"
+        "    assert repr(x) == repr(y), (x, y)\n"
+        "for fn in ('bridged', 'torch'):\n"
+        "    f = (lambda n: getattr(dist, n)) if fn == 'bridged' else (lambda n: getattr(dist, n).__wrapped__)\n"
+        "    a = [None]; f('all_gather_object')(a, obj); assert a[0] is not obj; same(a[0], obj)\n"
+        "    g = [None]; f('gather_object')(obj, g, dst=0); assert g[0] is not obj; same(g[0], obj)\n"
+        "    s = [None]; f('scatter_object_list')(s, [obj], src=0); same(s[0], obj)\n"
+        "    b = [obj]; f('broadcast_object_list')(b, src=0); same(b[0], obj)\n"
+        "torch.bmm(torch.randn(4, 1, 16), torch.randn(4, 16, 32))\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "big = {'x': list(range(200000))}\n"
+        "for _ in range(4):\n"
+        "    out = [None]; dist.all_gather_object(out, big); assert out[0] == big\n"
+        "bridged = len(os.listdir('/proc/self/task'))\n"
+        "for _ in range(4):\n"
+        "    out = [None]; dist.all_gather_object.__wrapped__(out, big); assert out[0] == big\n"
+        "print('threads', before, bridged, len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr
+    before, bridged, theirs = map(int, out.stdout.split("threads")[1].split())
+    assert bridged == before  # no OpenMP team started by a gloo worker thread
+    assert theirs > bridged  # torch's own path through gloo does start one (what the check detects)
+
+
+def test_a_checkpoint_load_leaves_one_process_runs_with_spinning_openmp_threads(tmp_path):
+    """A save and two loads in one process with two intra-op threads (a test run, a benchmark, a CPU server):
+    dist_checkpointing's metadata exchange no longer runs ATen copies in gloo's worker threads, each of which
+    would start an OpenMP team of its own (one more OS thread per team) and turn libgomp's spin-waiting off for
+    the rest of the process (small ops ~10x slower). The weights loaded are the ones saved."""
+    code = (
+        "import os, sys, torch\n"
+        "torch.set_num_threads(2)\n"
+        "from megatron_ext.arguments import parse_args\n"
+        "from megatron_ext.training.initialize import initialize_distributed\n"
+        "from megatron_ext.training.step import build_model\n"
+        "from megatron_ext.training.checkpointing import load_weights, save_checkpoint\n"
+        "def main():\n"
+        f"    save = {str(tmp_path / 'ckpt')!r}\n"
+        "    args = parse_args(['--model', 'tiny', '--mock-data', '--save', save], world_size=1)\n"
+        "    initialize_distributed(args)\n"
+        "    model = build_model(args, wrap_ddp=False)\n"
+        "    torch.bmm(torch.randn(4, 1, 16), torch.randn(4, 16, 32))\n"
+        "    before = len(os.listdir('/proc/self/task'))\n"
+        "    save_checkpoint(args, 1, model, None, None)\n"
+        "    want = {k: v.clone() for k, v in model[0].state_dict().items() if torch.is_tensor(v)}\n"
+        "    for p in model[0].parameters():\n"
+        "        p.data.zero_()\n"
+        "    for _ in range(2):\n"
+        "        load_weights(args, model, save, log=lambda *a, **k: None)\n"
+        "    got = model[0].state_dict()\n"
+        "    assert all(torch.equal(got[k], v) for k, v in want.items())\n"
+        "    print('threads', before, len(os.listdir('/proc/self/task')))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    script = tmp_path / "load.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(int, out.stdout.split("threads")[1].split())
+    assert after <= before, out.stdout  # (a thread of the save may have ended meanwhile)
