@@ -401,6 +401,49 @@ def _patch_single_rank_object_collectives():
     bridge("broadcast_object_list", broadcast_object_list, ("object_list",))
 
 
+def _quiet_gloo_workers(group) -> None:
+    """Give each gloo worker thread of `group` one intra-op thread. A worker thread sets its OpenMP thread count
+    from torch's at its first parallel ATen op (a copy inside all_gather, a flatten) and keeps it; with more
+    than one, that op starts an OpenMP team of the worker's own, and libgomp, then managing more threads than
+    there are CPUs, stops spin-waiting between parallel regions for the whole process: every small parallel op
+    of the main thread (bmm, softmax) pays a thread wake-up from then on (9 -> 85 us on a 2-core VM, a tiny
+    model's decode step 3x slower after its first data-parallel step or checkpoint). So, right after the group
+    is made, its members run a few overlapping all_gathers while torch's thread count is 1, which the workers
+    take as theirs; the caller's count is restored after. Only where it matters: members of a gloo group in a
+    process running more than one intra-op thread (torchrun's ranks default to one)."""
+    if group is None or torch.get_num_threads() <= 1 or not dist.is_initialized():
+        return
+    if dist.get_backend(group) != "gloo" or dist.get_rank(group) < 0:
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        size = dist.get_world_size(group)
+        x = torch.zeros(1 << 18)  # past ATen's grain size: the copy is a parallel op
+        works = [dist.all_gather([torch.empty_like(x) for _ in range(size)], x, group=group, async_op=True)
+                 for _ in range(8)]  # overlapping: every worker thread of the group takes some
+        for work in works:
+            work.wait()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _patch_gloo_worker_threads():
+    for name in ("init_process_group", "new_group"):
+        original = getattr(dist, name)
+        if getattr(original, "_megatron_ext_bridge", False):
+            continue
+
+        def made(*args, _original=original, _name=name, **kwargs):
+            out = _original(*args, **kwargs)
+            _quiet_gloo_workers(dist.group.WORLD if _name == "init_process_group" else out)
+            return out
+
+        functools.update_wrapper(made, original)
+        made._megatron_ext_bridge = True
+        setattr(dist, name, made)
+
+
 def install() -> bool:
     """Bridge Megatron-Core to what this process lacks (see `needed_bridges`). Returns whether the CUDA->CPU
     bridges are active. Safe to call any number of times; with CUDA, TE and apex present it does nothing at all.
@@ -429,6 +472,7 @@ def install() -> bool:
     _patch_torch_cuda()
     _patch_gloo_all_to_all()
     _patch_single_rank_object_collectives()
+    _patch_gloo_worker_threads()
     if os.environ.get("MEGATRON_EXT_CPU_COMPILE") != "1":
         # Megatron-Core wraps its fused kernels in torch.compile; on a CPU that costs ~20 s of compilation per
         # process for no gain at development sizes. MEGATRON_EXT_CPU_COMPILE=1 keeps it.

@@ -213,3 +213,41 @@ def test_a_checkpoint_load_leaves_one_process_runs_with_spinning_openmp_threads(
     assert out.returncode == 0, out.stderr[-3000:]
     before, after = map(int, out.stdout.split("threads")[1].split())
     assert after <= before, out.stdout  # (a thread of the save may have ended meanwhile)
+
+
+def test_gloo_worker_threads_start_no_openmp_team_of_their_own():
+    """Collectives of data-parallel training (all_gathers whose copies run in gloo's worker threads) in a process
+    with two intra-op threads: on groups made through the bridge the workers run those copies on one thread, so
+    no OpenMP team of theirs appears (which would turn libgomp's spin-waiting off for the process); a group
+    made by torch's own new_group does start one (what the check detects)."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "torch.set_num_threads(2)\n"
+        "from megatron.core import parallel_state as ps\n"
+        "from megatron_ext.arguments import parse_args\n"
+        "from megatron_ext.training.initialize import initialize_distributed\n"
+        "initialize_distributed(parse_args(['--model', 'tiny', '--mock-data'], world_size=1))\n"
+        "assert torch.get_num_threads() == 2\n"
+        "torch.bmm(torch.randn(4, 1, 16), torch.randn(4, 16, 32))\n"
+        "def gathers(group):\n"
+        "    x = torch.randn(1 << 18)\n"
+        "    for w in [dist.all_gather([torch.empty_like(x)], x, group=group, async_op=True) for _ in range(8)]:\n"
+        "        w.wait()\n"
+        "count = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = count()\n"
+        "for g in (None, ps.get_data_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),\n"
+        "          ps.get_tensor_model_parallel_group(), ps.get_expert_data_parallel_group()):\n"
+        "    gathers(g)\n"
+        "ours = count()\n"
+        "plain = dist.new_group.__wrapped__([0])\n"
+        "made = count()\n"
+        "gathers(plain)\n"
+        "print('threads', before, ours, made, count(), flush=True)\n"
+        "os._exit(0)  # (torch's group is left to the exit)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, ours, made, theirs = map(int, out.stdout.split("threads")[1].split())
+    assert ours == before
+    assert theirs > made  # torch's own group: a worker's OpenMP team
