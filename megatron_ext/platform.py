@@ -413,7 +413,7 @@ def _quiet_gloo_workers(group) -> None:
     process running more than one intra-op thread (torchrun's ranks default to one)."""
     if group is None or torch.get_num_threads() <= 1 or not dist.is_initialized():
         return
-    if dist.get_backend(group) != "gloo" or dist.get_rank(group) < 0:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0 or dist.get_backend(group) != "gloo":
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
