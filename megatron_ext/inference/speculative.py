@@ -72,6 +72,10 @@ log = logging.getLogger(__name__)
 
 # drafts checked at a position before its observed acceptance replaces the prior (every draft accepted)
 MIN_CHECKED = 32
+# the expected speed-up drafting must beat: the measured costs leave out a round's host-side work (acceptance,
+# emitting, cache bookkeeping), which on the 2-core CPU VM made an expected 1.05x run at 0.88x (4-layer stand-in,
+# docs/benchmarks.md); speculation that does not clearly pay steps aside
+SPECULATION_MARGIN = 1.2
 
 
 @dataclass
@@ -152,8 +156,8 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
 
 def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None,
                      rows: int = 1) -> SpeculationPlan:
-    """Whether drafting `depth` tokens per round is expected to beat plain decoding on this engine for a batch
-    of `rows` sequences: its draft and verify costs against a plain step (measured once per engine, depth and
+    """Whether drafting `depth` tokens per round is expected to beat plain decoding (by SPECULATION_MARGIN) on
+    this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once per engine, depth and
     batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs relatively less where a step is
     bound by reading weights, more where it is bound by arithmetic), and the acceptance `stats` observed so far
     at each draft position (the prior: every draft accepted, so that a model is only decoded plainly from the
@@ -166,7 +170,7 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
     observed = (stats or SpeculationStats()).acceptance_by_depth(depth, MIN_CHECKED)
     acceptance = [1.0 if a is None else a for a in observed]
     speedup = costs.speedup(acceptance)
-    speculate = speedup > 1.0
+    speculate = speedup > SPECULATION_MARGIN
     groups = [g for g in (engine.groups.tp, engine.groups.ep) if g is not None]
     if groups:
         flag = torch.tensor([int(speculate)], device=engine.collective_device(groups[0]))
@@ -185,7 +189,8 @@ def describe_plan(plan: SpeculationPlan, depth: int) -> str:
     acceptance = ", ".join(f"{a:.2f}" for a in plan.acceptance)
     rows = f" at batch {plan.batch}" if plan.batch > 1 else ""
     return (f"speculative decoding{rows} {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) "
-            f"per round expected {plan.speedup:.2f}x plain (step {c.main * 1e3:.2f} ms, "
+            f"per round expected {plan.speedup:.2f}x plain (needs > {SPECULATION_MARGIN}x; "
+            f"step {c.main * 1e3:.2f} ms, "
             f"verify {c.verify * 1e3:.2f} ms, "
             f"draft {c.draft * 1e3:.2f} ms, acceptance by position {acceptance})")
 

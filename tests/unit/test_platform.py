@@ -136,6 +136,14 @@ def test_force_cpu_takes_the_cpu_path_everywhere():
     assert "refused: --transformer-impl transformer_engine needs" in out.stdout
 
 
+def _thread_counts(code: str) -> list[int]:
+    """Runs `code` in a fresh process with two intra-op threads; the counts it printed after 'threads'."""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [int(x) for x in out.stdout.split("threads")[1].split()]
+
+
 def test_one_rank_object_collectives_match_torchs_and_stay_in_the_callers_thread():
     """The bridged object collectives of a one-rank group give what torch's give (copies, not the objects),
     without the process group's worker threads; groups of several ranks still go to torch."""
@@ -168,10 +176,7 @@ def test_one_rank_object_collectives_match_torchs_and_stay_in_the_callers_thread
         "    out = [None]; dist.all_gather_object.__wrapped__(out, big); assert out[0] == big\n"
         "print('threads', before, bridged, len(os.listdir('/proc/self/task')))\n"
     )
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="2"))
-    assert out.returncode == 0, out.stderr
-    before, bridged, theirs = map(int, out.stdout.split("threads")[1].split())
+    before, bridged, theirs = _thread_counts(code)
     assert bridged == before  # no OpenMP team started by a gloo worker thread
     assert theirs > bridged  # torch's own path through gloo does start one (what the check detects)
 
@@ -245,9 +250,6 @@ def test_gloo_worker_threads_start_no_openmp_team_of_their_own():
         "print('threads', before, ours, made, count(), flush=True)\n"
         "os._exit(0)  # (torch's group is left to the exit)\n"
     )
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="2"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    before, ours, made, theirs = map(int, out.stdout.split("threads")[1].split())
+    before, ours, made, theirs = _thread_counts(code)
     assert ours == before
     assert theirs > made  # torch's own group: a worker's OpenMP team
