@@ -157,8 +157,8 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
 def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None,
                      rows: int = 1) -> SpeculationPlan:
     """Whether drafting `depth` tokens per round is expected to beat plain decoding (by SPECULATION_MARGIN) on
-    this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once per engine, depth and
-    batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs relatively less where a step is
+    this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once
+    per engine, depth and batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs relatively less where a step is
     bound by reading weights, more where it is bound by arithmetic), and the acceptance `stats` observed so far
     at each draft position (the prior: every draft accepted, so that a model is only decoded plainly from the
     start when even perfect drafts cannot pay). Ranks that cooperate on a request agree (speculate only if all
