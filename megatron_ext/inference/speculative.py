@@ -158,10 +158,10 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
                      rows: int = 1) -> SpeculationPlan:
     """Whether drafting `depth` tokens per round is expected to beat plain decoding (by SPECULATION_MARGIN) on
     this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once
-    per engine, depth and batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs relatively less where a step is
-    bound by reading weights, more where it is bound by arithmetic), and the acceptance `stats` observed so far
-    at each draft position (the prior: every draft accepted, so that a model is only decoded plainly from the
-    start when even perfect drafts cannot pay). Ranks that cooperate on a request agree (speculate only if all
+    per engine, depth and batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs
+    relatively less where a step is bound by reading weights, more where it is bound by arithmetic), and the
+    acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
+    is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a request agree (speculate only if all
     expect it to pay). One log line when the decision for a (depth, bucket) changes."""
     key = (depth, batch_bucket(rows))
     costs = engine.draft_costs.get(key)
