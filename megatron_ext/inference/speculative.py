@@ -162,7 +162,8 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
     relatively less where a step is bound by reading weights, more where it is bound by arithmetic), and the
     acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
     is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a
-    request agree (speculate only if all expect it to pay). One log line when the decision for a (depth, bucket) changes."""
+    request agree (speculate only if all expect it to pay). One log line when the decision for a (depth,
+    bucket) changes."""
     key = (depth, batch_bucket(rows))
     costs = engine.draft_costs.get(key)
     if costs is None:
