@@ -3,7 +3,8 @@
     python benchmarks/agentic_learning.py --out runs/agentic            # 36 minutes on 2 CPU cores
     python benchmarks/agentic_learning.py --out runs/agentic_smoke --smoke   # the default suite's few-step version
 
-Phases (each skipped when its output exists, so re-running the command resumes; DIR is --out):
+Phases (each skipped when its output exists, so re-running the command resumes, a training phase from its own
+latest save when it was stopped part way; DIR is --out):
   1. tasks      tools/make_agent_tasks.py: a generated family of small repository tasks with hidden tests; the
                 train split is cut into an SFT part and a disjoint RL part, the held-out split shares no program with
                 either (DIR/tasks/{sft,rl,heldout}.jsonl, oracle scripts in DIR/tasks/oracle/)
@@ -78,6 +79,43 @@ class Phases:
         with open(self.path, "w") as f:
             json.dump(self.seconds, f, indent=1)
         print(f"[{name}] {self.seconds[name]:.0f} s", flush=True)
+
+
+def saved_iteration(ckpt: str):
+    """The iteration of a checkpoint directory's latest save, or None when it holds none."""
+    try:
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def resume_or(ckpt: str, fresh: list) -> list:
+    """A phase's start: from its own checkpoint when a save of it exists (a kill after its first save, or a SIGTERM,
+    which saves: the re-run command resumes instead of being refused for overwriting it), else from `fresh`."""
+    return ["--load", ckpt] if saved_iteration(ckpt) is not None else fresh
+
+
+def mtime(path: str):
+    return os.path.getmtime(path) if os.path.exists(path) else None
+
+
+def set_aside_if_stale(outputs: list, marker: str, inputs: list) -> bool:
+    """When `marker` (what a phase writes first, or its checkpoint's tracker) is older than one of `inputs` (what
+    the phase reads), its outputs came from other inputs (the command re-run with other settings, or an earlier
+    phase redone): rename them to OUTPUT.stale-N, keeping them, so that the phase runs again instead of being
+    skipped or resumed from them."""
+    written = mtime(marker)
+    if written is None or not any((mtime(i) or 0) > written for i in inputs):
+        return False
+    for path in outputs:
+        if os.path.exists(path):
+            k = 1
+            while os.path.exists(f"{path}.stale-{k}"):
+                k += 1
+            os.rename(path, f"{path}.stale-{k}")
+            print(f"{path}: older than its inputs, set aside as {path}.stale-{k}", flush=True)
+    return True
 
 
 def split_train(tasks_dir: str, n_sft: int, n_rl: int):
@@ -352,11 +390,13 @@ def main(argv=None):
             py + ["tools/preprocess_data.py", "--input", code_corpus, "--output-prefix", pretrain_data,
                   "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tokenizer, "--workers", 1, "--append-eod"],
             log("pretrain_data")))
-    done = lambda ckpt: os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))  # noqa: E731
+    done = lambda ckpt, iters: saved_iteration(ckpt) == iters  # noqa: E731
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     launcher = lambda ranks: py + (torchrun + [ranks] if ranks > 1 else [])  # noqa: E731
+    tracker = lambda ckpt: os.path.join(ckpt, "latest_checkpointed_iteration.txt")  # noqa: E731
     if code_corpus:
-        phases("pretrain", done(pretrain_ckpt), lambda: run(
+        set_aside_if_stale([pretrain_ckpt], tracker(pretrain_ckpt), [pretrain_data + "_text_document.idx"])
+        phases("pretrain", done(pretrain_ckpt, a.pretrain_iters), lambda: run(
             launcher(a.ranks) + [
                 "pretrain_composer.py", *pretrain_model, "--data-path", pretrain_data + "_text_document",
                   "--tokenizer-model", tokenizer, "--micro-batch-size", max(1, a.pretrain_batch // a.ranks),
@@ -365,11 +405,14 @@ def main(argv=None):
                   "--lr-decay-style", "cosine", "--train-iters", a.pretrain_iters, "--split", "98,2,0",
                   "--eval-interval", a.pretrain_iters, "--eval-iters", 1, "--log-interval",
                   max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt, "--save-interval", a.pretrain_iters,
-                  "--seed", a.seed, *(["--load", a.init, "--finetune"] if a.init else [])], log("pretrain")))
+                  "--seed", a.seed, *resume_or(pretrain_ckpt, ["--load", a.init, "--finetune"] if a.init else [])],
+            log("pretrain")))
     init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
-    phases("sft", done(sft_ckpt), lambda: run(
+    set_aside_if_stale([sft_ckpt], tracker(sft_ckpt), [sft_data] + ([tracker(pretrain_ckpt)] if code_corpus else []))
+    phases("sft", done(sft_ckpt, a.sft_iters), lambda: run(
         launcher(a.ranks) + [
-            "pretrain_composer.py", *model, *init, "--sft", "--data-path", sft_data, "--tokenizer-model", tokenizer,
+            "pretrain_composer.py", *model, *resume_or(sft_ckpt, init), "--sft", "--data-path", sft_data,
+              "--tokenizer-model", tokenizer,
               *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
               "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,
@@ -377,10 +420,12 @@ def main(argv=None):
               "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")))
     async_flags = ["--rl-rollout-workers", a.rollout_workers, "--rl-max-staleness", a.max_staleness] \
         if a.rollout_workers else []
-    phases("rl", done(rl_ckpt), lambda: run(
+    set_aside_if_stale([rl_ckpt, rl_logs], tracker(rl_ckpt), [tracker(sft_ckpt), os.path.join(tasks_dir, "rl.jsonl")])
+    phases("rl", done(rl_ckpt, a.rl_iters), lambda: run(
         launcher(a.ranks) + [
             "rl_composer.py", "--rl-env", a.rl_env, *async_flags, "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
-                    "--tokenizer-model", tokenizer, "--load", sft_ckpt, "--finetune", "--use-checkpoint-args",
+                    "--tokenizer-model", tokenizer, *resume_or(rl_ckpt, ["--load", sft_ckpt, "--finetune"]),
+                    "--use-checkpoint-args",
                     *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
                     "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
@@ -390,6 +435,7 @@ def main(argv=None):
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
+        set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [tracker(ckpt), heldout])
         evaluated = os.path.exists(os.path.join(run_dir, "summary.json"))
         phases(f"eval_{name}", evaluated, lambda ckpt=ckpt, run_dir=run_dir: run(
             py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
@@ -402,10 +448,13 @@ def main(argv=None):
               "--output", heldout_oracle, "--concurrency", 2, *PROMPT_OPTIONS], log("heldout_oracle")))
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         turns_path = os.path.join(eval_dir, name, "turns.json")
+        set_aside_if_stale([turns_path], turns_path, [tracker(ckpt), heldout_oracle])
         phases(f"turns_{name}", os.path.exists(turns_path), lambda ckpt=ckpt, turns_path=turns_path: run(
             py + ["benchmarks/agent_turns.py", "--load", ckpt, "--tokenizer-model", tokenizer, "--conversations",
                   heldout_oracle, "--out", turns_path], log(f"turns_{name}")))
     compare_dir = os.path.join(eval_dir, "compare")
+    set_aside_if_stale([compare_dir], os.path.join(compare_dir, "compare.json"),
+                       [os.path.join(eval_dir, name, "summary.json") for name in ("sft", "rl")])
     phases("compare", os.path.exists(os.path.join(compare_dir, "compare.json")), lambda: run(
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
               "--out", compare_dir], log("compare")))

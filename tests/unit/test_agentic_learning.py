@@ -68,3 +68,71 @@ def test_agentic_learning_smoke(tmp_path):
     _, pretrained = checkpoint_args(str(out / "ckpt" / "pretrain"), "test")
     assert pretrained["seq_length"] == settings["pretrain_seq_length"] != settings["seq_length"]
     assert f"loaded {out / 'ckpt' / 'pretrain'}" in (out / "logs" / "sft.log").read_text()
+
+
+def _benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agentic_learning_bench",
+                                                  os.path.join(ROOT, "benchmarks", "agentic_learning.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_save(root, iteration):
+    os.makedirs(os.path.join(root, f"iter_{iteration:07d}"), exist_ok=True)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+
+
+def test_phase_resumes_its_own_save_instead_of_a_refused_fresh_start(tmp_path):
+    """A phase stopped after a save (SIGTERM saves) and the command re-run: the phase loads its own --save, which
+    pretrain_composer accepts; a fresh start (or the upstream --load --finetune) into it is refused."""
+    import argparse
+
+    import pytest
+
+    from megatron_ext.training.checkpointing import CheckpointError, check_save_target
+
+    bench = _benchmark()
+    ckpt, sft = str(tmp_path / "rl"), str(tmp_path / "sft")
+    fresh = ["--load", sft, "--finetune"]
+    assert bench.saved_iteration(ckpt) is None and bench.resume_or(ckpt, fresh) == fresh
+    _fake_save(ckpt, 3)
+    assert bench.saved_iteration(ckpt) == 3
+    start = bench.resume_or(ckpt, fresh)
+    assert start == ["--load", ckpt]
+    as_args = lambda flags: argparse.Namespace(save=ckpt, load=flags[1] if flags else None,  # noqa: E731
+                                               finetune="--finetune" in flags)
+    check_save_target(as_args(start))  # resuming: accepted
+    for refused in (fresh, []):
+        with pytest.raises(CheckpointError, match="would overwrite"):
+            check_save_target(as_args(refused))
+
+
+def test_outputs_older_than_their_inputs_are_set_aside_not_reused(tmp_path):
+    """The command re-run after an upstream phase was redone (say with more SFT steps): the RL checkpoint, its logs
+    and the evaluations made from the old SFT are renamed, kept, and the phases run again."""
+    bench = _benchmark()
+    sft, rl, logs = tmp_path / "sft", tmp_path / "rl", tmp_path / "rl_logs"
+    _fake_save(str(sft), 200)
+    _fake_save(str(rl), 6)
+    logs.mkdir()
+    (logs / "trained_groups.jsonl").write_text("{}\n")
+    tracker = lambda p: str(p / "latest_checkpointed_iteration.txt")  # noqa: E731
+    os.utime(tracker(sft), (1000, 1000))
+    os.utime(tracker(rl), (2000, 2000))
+    assert not bench.set_aside_if_stale([str(rl), str(logs)], tracker(rl), [tracker(sft)])
+    assert rl.exists() and logs.exists()
+    os.utime(tracker(sft), (3000, 3000))  # SFT redone after the RL run
+    assert bench.set_aside_if_stale([str(rl), str(logs), str(tmp_path / "absent")], tracker(rl), [tracker(sft)])
+    assert not rl.exists() and not logs.exists()
+    assert (tmp_path / "rl.stale-1" / "iter_0000006").is_dir()
+    assert (tmp_path / "rl_logs.stale-1" / "trained_groups.jsonl").read_text() == "{}\n"
+    _fake_save(str(rl), 6)
+    os.utime(tracker(rl), (2000, 2000))
+    assert bench.set_aside_if_stale([str(rl)], tracker(rl), [tracker(sft)])
+    assert (tmp_path / "rl.stale-2").is_dir() and (tmp_path / "rl.stale-1").is_dir()
+    # nothing written yet: nothing to set aside
+    assert not bench.set_aside_if_stale([str(rl)], tracker(rl), [tracker(sft)])
