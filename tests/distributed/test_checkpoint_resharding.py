@@ -28,10 +28,10 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("name, flags", [
     ("tp1_dp2", []),
-    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    pytest.param("pp2", ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
     # EP 1 -> 2 changes how Megatron-Core chains optimizers; weights reshard, optimizer state cannot (the loss
     # and gradient norm of the next step are computed before the update, so they still must match)
-    ("ep2_weights", ["--expert-model-parallel-size", "2", "--no-load-optim"]),
+    pytest.param("ep2_weights", ["--expert-model-parallel-size", "2", "--no-load-optim"], marks=pytest.mark.slow),
 ])
 def test_tp2_checkpoint_continues_under(name, flags, saved):
     save, ref, root = saved

@@ -51,7 +51,8 @@ def _shift_worker(rank, world, port, bounds, shift, result):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,bounds,shift", [(2, (0, 16), 1), (2, (0, 8, 24), 2), (4, (0, 16, 32), 1)])
+@pytest.mark.parametrize("world,bounds,shift", [(2, (0, 16), 1), (2, (0, 8, 24), 2),
+                                                    pytest.param(4, (0, 16, 32), 1, marks=pytest.mark.slow)])
 def test_shift_and_gather_across_ranks(world, bounds, shift):
     with mp.Manager() as manager:
         result = manager.dict()
@@ -92,7 +93,9 @@ def packed_batches():
 
 @pytest.mark.parametrize("world,flags", [
     (2, ["--context-parallel-size", "2"]),
-    (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # 4 ranks on 2 cores (26 s): slow, like test_parallel_parity.py's 4-rank layouts (cp2_tp2 among them)
+    pytest.param(4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 marks=pytest.mark.slow),
 ], ids=["cp2", "cp2_tp2"])
 def test_packed_documents_with_masks_match_one_rank(world, flags, packed_batches):
     cp_only = "--tensor-model-parallel-size" not in flags  # then every parameter is whole on rank 0

@@ -121,7 +121,7 @@ def test_task_validation(tmp_path):
         load_task(str(suite))
 
 
-def test_run_episode_cli_prints_reward_json(tmp_path):
+def test_run_episode_cli_prints_reward_json(tmp_path, capsys):
     path = make_task(str(tmp_path))
     actions = tmp_path / "actions.json"
     actions.write_text(json.dumps(ORACLE[2:3]))
@@ -137,12 +137,18 @@ def test_run_episode_cli_prints_reward_json(tmp_path):
     assert reward["total"] == pytest.approx(sum(reward["weights"][k] * reward[k] for k in reward["weights"]))
     assert [c["name"] for c in result["tool_calls"]] == ["edit_file", "finish"]
     assert result["transcript"][-1] == {"role": "tool", "tool_call_id": "functions.finish:1", "content": "finished"}
+    from tests.unit.data_fixtures import load_tool
+
+    run_episode_tool = load_tool("run_episode")
     for extra, message in ((["--agent", "robot:x"], "expected script:ACTIONS.json"),
                            (["--agent", f"script:{actions}", "--env-reward-weight", "corectness=1"], "unknown part"),
                            (["--agent", f"script:{actions}", "--env-memory-gb", "0"], "--env-memory-gb must be")):
-        bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_episode.py"), "--task", path, *extra],
-                             capture_output=True, text=True, timeout=300)
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-500:]
+        try:  # in-process: the flags are refused (argparse's exit, or main's return) before any episode
+            code = run_episode_tool.main(["--task", path, *extra])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, err[-500:]
 
 
 def test_endpoint_agent_against_our_server(tmp_path):

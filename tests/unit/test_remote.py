@@ -417,6 +417,7 @@ def test_async_orchestrator_over_remote_servers_requeues_a_killed_servers_prompt
     assert jobs[0][0] - before >= 2 * len(tasks) // 2  # the live server generated at least its share
 
 
+@pytest.mark.slow  # 23 s; the asynchronous orchestrator over remote servers stays in the default suite (above)
 def test_rl_composer_async_over_remote_servers(tmp_path):
     """rl_composer.py --rl-remote-servers URL --rl-rollout-workers 2 --rl-max-staleness 1: the asynchronous loop on
     a tools/serve.py server (no Ray): each prompt trained once, every trained token's version (the server's) within

@@ -117,6 +117,7 @@ def test_async_run_under_torchrun(tmp_path, no_ray_left):
     no_ray_left()
 
 
+@pytest.mark.slow  # 23 s; the batch itself: test_worker_batching.py, test_engine_continuous.py, test_rl_continuous.py
 def test_async_run_with_continuous_batching_workers(tmp_path, no_ray_left):
     """--rl-continuous-batching: each worker runs 3 requests at once in one continuous decode batch; every prompt
     is trained once within the staleness bound. Misuse is refused before anything starts."""

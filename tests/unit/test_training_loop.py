@@ -160,7 +160,8 @@ def test_nan_injection_counts_and_aborts(tmp_path, capsys):
     assert "iteration 5: 3 consecutive steps" in err and "--max-skipped 3" in err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGUSR1"])
 def test_sigterm_saves_and_exits_zero(tmp_path, sig):
     """SIGUSR1 is SLURM's early warning (examples/slurm: --signal=USR1@900, forwarded by torchrun)."""
     save = str(tmp_path / "ckpt")
