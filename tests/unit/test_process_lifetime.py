@@ -100,6 +100,52 @@ SUPERVISED = textwrap.dedent("""
 """)
 
 
+RANK = textwrap.dedent("""
+    import importlib.util
+    import os
+    import sys
+    import time
+
+    spec = importlib.util.spec_from_file_location("lifetime", sys.argv[1])  # without the package's heavy imports
+    lifetime = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lifetime)
+    lifetime.install()  # what importing megatron_ext does in a rank
+    with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+""")
+
+
+def test_ranks_die_with_a_killed_torchrun(tmp_path):
+    """torchrun starts each rank in a session of its own: a kill -9 of torchrun's process group (what killing a
+    launcher script's tree reaches) used to leave the ranks running, training on into the --save a re-run uses."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), os.path.join(ROOT, "megatron_ext", "lifetime.py"), str(tmp_path)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)
+                    if (tmp_path / f"rank{r}").exists() and (tmp_path / f"rank{r}").read_text()]
+        assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
+        assert all(os.getsid(p) != proc.pid for p in pids)  # the premise: outside torchrun's session
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], "ranks outlived torchrun"
+        assert b"torchrun (pid" in proc.stderr.read()  # each rank said why it exits
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_exec_started_descendants_are_reaped_when_the_trainer_dies(tmp_path):
     script = tmp_path / "supervised.py"
     script.write_text(SUPERVISED)
