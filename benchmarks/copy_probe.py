@@ -13,6 +13,9 @@ reaches), and ``perfect copy``, that model's loss before the bar with every copi
 model that learned to copy approaches the second; one stuck at the first has not. The model is
 agentic_learning.py's (--model-flags), from a random init, trained with pretrain_composer.py on a tokenizer
 trained on the documents; the loss every --log-interval steps is read from its log.
+
+`--kind tokens --tokenizer-model DIR` asks for the skill in its general form: one-token words of that tokenizer at
+a distance that changes from document to document (bounds counted from the draws, `token_bounds`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,37 @@ def documents(count: int, words: int, seed: int) -> list[str]:
     return out
 
 
+def token_documents(count: int, words: int, seed: int, tokenizer_dir: str, pool: int) -> list[str]:
+    """`w1 ... wL | w1 ... wL` with L drawn from words/2..2*words per document and every w a word that is one
+    token of the given tokenizer (`Ġ` and letters): the copy's distance changes from document to document, so only
+    an induction head (find where the current token occurred, predict what followed it) copies, not attention to a
+    fixed offset back."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).get_vocab()
+    words_1tok = sorted(t[1:] for t in vocab  # `Ġ` (a space) then ASCII letters only
+                        if t.startswith("\u0120") and len(t) > 2 and t[1:].isascii() and t[1:].isalpha())
+    rng = random.Random(seed)
+    chosen = rng.sample(words_1tok, min(pool, len(words_1tok)))
+    out = []
+    for _ in range(count):
+        w = " ".join(rng.choice(chosen) for _ in range(rng.randint(max(2, words // 2), 2 * words)))
+        out.append(f"{w} | {w}")
+    return out
+
+
+def token_bounds(words: int, pool: int) -> dict:
+    """--kind tokens: each half draws L words uniformly from `pool` (L uniform over words/2..2*words), one token
+    each; a document is 2L + 2 predictions (the words, the bar, the end of document). Without copying every word
+    costs log(pool), with perfect copying only the first half's do; the bar and end-of-document costs are left
+    out of both bounds (a model pays them on top, so the share of the gap it closes is, if anything, understated)."""
+    lengths = range(max(2, words // 2), 2 * words + 1)
+    mean = sum(lengths) / len(lengths)
+    per_word = math.log(pool)
+    return {"no_copy": 2 * mean * per_word / (2 * mean + 2), "perfect_copy": mean * per_word / (2 * mean + 2),
+            "tokens_per_document": 2 * mean + 2}
+
+
 def bounds(tokenizer_dir: str, docs: list[str], eod: int) -> dict:
     """Bigram cross-entropy of the documents (fitted on them: the best a context-free model can do) and the same
     with every token after the bar (and the end of document) free."""
@@ -77,7 +111,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/copy_probe")
     p.add_argument("--documents", type=int, default=60000)
-    p.add_argument("--words", type=int, default=8, help="words per half of a document")
+    p.add_argument("--words", type=int, default=8, help="words per half of a document (--kind tokens: from half "
+                   "to twice as many)")
+    p.add_argument("--kind", default="names", choices=("names", "tokens"),
+                   help="names: the tasks' module names (tokens each, per the tokenizer); tokens: one-token words of "
+                        "--tokenizer-model at a varying distance (needs --tokenizer-model)")
+    p.add_argument("--pool", type=int, default=400, help="--kind tokens: distinct words drawn from")
     p.add_argument("--model-flags", default=MODEL_FLAGS)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
@@ -95,7 +134,10 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     py = [sys.executable, "-W", "ignore"]
-    docs = documents(a.documents, a.words, a.seed)
+    if a.kind == "tokens" and not a.tokenizer_model:
+        p.error("--kind tokens draws one-token words from --tokenizer-model: pass one")
+    docs = documents(a.documents, a.words, a.seed) if a.kind == "names" else \
+        token_documents(a.documents, a.words, a.seed, a.tokenizer_model, a.pool)
     corpus = os.path.join(out, "copy.jsonl")
     with open(corpus, "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
@@ -128,7 +170,10 @@ def main(argv=None) -> int:
                  re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)", f.read())]
     from megatron_ext.data.tokenizers import build_tokenizer
 
-    b = bounds(tokenizer, docs[:5000], build_tokenizer("HFTokenizer", tokenizer).eod)  # what --append-eod wrote
+    if a.kind == "names":
+        b = bounds(tokenizer, docs[:5000], build_tokenizer("HFTokenizer", tokenizer).eod)  # the eod --append-eod wrote
+    else:  # a bigram fitted on documents of uniform draws from --pool words overfits: count the draws instead
+        b = token_bounds(a.words, a.pool)
     tokens_per_step = a.batch * a.seq_length
     rows = [{"step": s, "tokens": s * tokens_per_step, "loss": loss,
              "copied_fraction": (b["no_copy"] - loss) / (b["no_copy"] - b["perfect_copy"])} for s, loss in curve]
