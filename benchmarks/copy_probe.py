@@ -107,6 +107,51 @@ def bounds(tokenizer_dir: str, docs: list[str], eod: int) -> dict:
     return {"no_copy": total / n, "perfect_copy": before / n, "tokens_per_document": n / len(seqs)}
 
 
+def measure(ckpt: str, tokenizer_dir: str, docs: list[str]) -> dict:
+    """Copying as a checkpoint does it, one document a sequence (no other document to copy from): over the tokens
+    after the bar, how often the greedy prediction is the copy (top-1) and the probability it gives the copy.
+    Any checkpoint of the tokenizer's vocabulary, e.g. a warm-up before and after the code pretraining that
+    follows it (does the skill survive?)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from megatron_ext import platform
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.training.checkpointing import load_weights
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(["--load", ckpt, "--use-checkpoint-args", "--tokenizer-model", tokenizer_dir, "--mock-data"],
+                      world_size=1)
+    initialize_distributed(args)
+    hits = total = 0
+    p_copy = 0.0
+    try:
+        model = build_model(args, wrap_ddp=False)
+        load_weights(args, model, ckpt, log=lambda *x: None)
+        model[0].eval()
+        eod = build_tokenizer(args.tokenizer_type, tokenizer_dir).eod
+        tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        device = platform.device()
+        for d in docs:
+            enc = tok.encode(d)
+            bar = d.index(" | ") + 2
+            ids = [eod] + enc.ids
+            copies = [i + 1 for i, (start, _) in enumerate(enc.offsets) if start >= bar]
+            x = torch.tensor([ids], device=device)
+            with torch.no_grad():
+                probs = model[0](x, torch.arange(len(ids), device=device).unsqueeze(0), None)[0].float().softmax(-1)
+            for i in copies:
+                hits += int(probs[i - 1].argmax().item() == ids[i])
+                p_copy += probs[i - 1, ids[i]].item()
+                total += 1
+    finally:
+        destroy()
+    return {"checkpoint": ckpt, "documents": len(docs), "copied_tokens": total, "top1": hits / total,
+            "p_copy": p_copy / total}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/copy_probe")
@@ -129,9 +174,26 @@ def main(argv=None) -> int:
                    help="use this tokenizer (e.g. agentic_learning.py's DIR/tokenizer) instead of training one")
     p.add_argument("--save", default=None,
                    help="keep the trained weights here: a copy warm-up that agentic_learning.py --init starts from")
+    p.add_argument("--measure", default=None, metavar="CKPT",
+                   help="train nothing: measure how a checkpoint copies on --measure-documents unseen documents of "
+                        "this --kind (one a sequence), e.g. a --save of this probe, or what code pretraining made "
+                        "of it (with the tokenizer it was trained with)")
+    p.add_argument("--measure-documents", type=int, default=200)
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
+    if a.measure:
+        if not a.tokenizer_model:
+            p.error("--measure needs the checkpoint's tokenizer: --tokenizer-model DIR")
+        n = a.documents + a.measure_documents  # the training documents' stream, past what training used
+        fresh = (documents(n, a.words, a.seed) if a.kind == "names" else
+                 token_documents(n, a.words, a.seed, a.tokenizer_model, a.pool))[a.documents:]
+        m = measure(a.measure, a.tokenizer_model, fresh)
+        with open(os.path.join(out, "measure_" + os.path.basename(os.path.normpath(a.measure)) + ".json"), "w") as f:
+            json.dump(m, f, indent=1)
+        print(f"{a.measure}: copied tokens (after the bar) predicted top-1 {m['top1']:.3f}, mean probability of the "
+              f"copy {m['p_copy']:.3f} ({m['copied_tokens']} tokens, {m['documents']} documents, one a sequence)")
+        return 0
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     py = [sys.executable, "-W", "ignore"]
     if a.kind == "tokens" and not a.tokenizer_model:
@@ -161,7 +223,8 @@ def main(argv=None) -> int:
                     "--max-position-embeddings", a.seq_length, "--original-max-position-embeddings", a.seq_length,
                     "--data-path", prefix + "_text_document", "--tokenizer-model", tokenizer,
                     "--micro-batch-size", max(1, a.batch // a.ranks), "--global-batch-size", a.batch,
-                    "--lr", a.lr, "--min-lr", a.lr / 10, "--lr-warmup-iters", 20, "--lr-decay-style", "cosine",
+                    "--lr", a.lr, "--min-lr", a.lr / 10, "--lr-warmup-iters", min(20, max(1, a.iters // 10)),
+                    "--lr-decay-style", "cosine",
                     "--train-iters", a.iters, "--split", "98,2,0", "--eval-interval", a.iters, "--eval-iters", 1,
                     "--log-interval", a.log_interval, "--seed", a.seed,
                     *(["--save", a.save, "--save-interval", a.iters] if a.save else [])], "train")

@@ -40,3 +40,31 @@ def test_token_bounds_count_the_draws():
     b = _probe().token_bounds(8, 400)  # L uniform over 4..16: mean 10, 22 predictions a document
     assert b["no_copy"] == pytest.approx(20 * math.log(400) / 22)
     assert b["perfect_copy"] == pytest.approx(b["no_copy"] / 2) and b["tokens_per_document"] == 22
+
+
+@pytest.mark.slow
+def test_probe_trains_saves_and_measures_a_checkpoint(tmp_path):
+    """The probe end to end at its smallest: a few steps with --save, then --measure of what it saved."""
+    import json
+    import subprocess
+    import sys
+
+    tokenizer_dir = trained_tokenizer(str(tmp_path), small_corpus(str(tmp_path)), vocab_size=1024)
+    out, ckpt = tmp_path / "probe", tmp_path / "ckpt"
+    common = ["--out", str(out), "--kind", "tokens", "--tokenizer-model", tokenizer_dir, "--documents", "400",
+              "--ranks", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    trained = subprocess.run([sys.executable, "benchmarks/copy_probe.py", *common, "--iters", "3", "--batch", "4",
+                              "--log-interval", "1", "--save", str(ckpt)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in summary["curve"]] == [1, 2, 3] and all(r["loss"] > 0 for r in summary["curve"])
+    measured = subprocess.run([sys.executable, "benchmarks/copy_probe.py", *common, "--measure", str(ckpt),
+                               "--measure-documents", "20"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    m = json.loads((out / "measure_ckpt.json").read_text())
+    assert m["documents"] == 20 and 0.0 <= m["top1"] <= 1.0 and 0.0 < m["p_copy"] < 1.0
+    halves = [d.split(" | ")[0] for d in _probe().token_documents(420, 8, 1, tokenizer_dir, 400)[400:]]
+    assert m["copied_tokens"] == sum(len(h.split(" ")) for h in halves)  # every word after the bar, one token each
