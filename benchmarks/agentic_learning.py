@@ -14,7 +14,8 @@ latest save when it was stopped part way; DIR is --out):
                 (DIR/tokenizer)
   4. pretrain   code pretraining (loss on every token) on more training-split tasks as plain text: instruction,
                 files, module before and after (tools/make_agent_tasks.py --corpus, tools/preprocess_data.py;
-                DIR/ckpt/pretrain); no held-out program is in it. --pretrain-iters 0 skips it
+                DIR/ckpt/pretrain); no held-out program is in it. --pretrain-iters 0 skips it; --init starts it
+                from other weights, --pretrain-extra mixes more documents in (a copy warm-up's, to keep its skill)
   5. sft        pretrain_composer.py --sft from the pretrained checkpoint, deliberately short (DIR/ckpt/sft)
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
@@ -127,6 +128,23 @@ def split_train(tasks_dir: str, n_sft: int, n_rl: int):
     for name, part in (("sft", lines[:n_sft]), ("rl", lines[n_sft:n_sft + n_rl])):
         with open(os.path.join(tasks_dir, f"{name}.jsonl"), "w") as f:
             f.writelines(part)
+
+
+def mixed_corpus(code_corpus: str, extra: str | None, prefix: str) -> str:
+    """The pretraining input: the code corpus, or it and `extra`'s documents shuffled together (seeded) into
+    PREFIX's folder as mixed.jsonl."""
+    if not extra:
+        return code_corpus
+    import random
+
+    lines = [line if line.endswith("\n") else line + "\n" for path in (code_corpus, extra)
+             for line in open(path) if line.strip()]
+    random.Random(0).shuffle(lines)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    path = os.path.join(os.path.dirname(prefix), "mixed.jsonl")
+    with open(path, "w") as f:
+        f.writelines(lines)
+    return path
 
 
 def tokenizer_corpus(out: str, sft_path: str, tasks_dir: str, code_corpus: str | None = None) -> str:
@@ -321,6 +339,10 @@ def main(argv=None):
     p.add_argument("--init", default=None,
                    help="start code pretraining from these weights (same architecture and tokenizer), e.g. a copy "
                         "warm-up: benchmarks/copy_probe.py --tokenizer-model DIR/tokenizer --save CKPT")
+    p.add_argument("--pretrain-extra", default=None, metavar="JSONL",
+                   help="more pretraining documents ({\"text\": ...} lines), shuffled into the code corpus (DIR/"
+                        "pretrain/mixed.jsonl), e.g. a copy warm-up's own documents (copy_probe.py's OUT/copy.jsonl) "
+                        "so that code pretraining from its --init keeps the skill")
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
@@ -387,7 +409,8 @@ def main(argv=None):
               "--vocab-size", a.vocab_size, "--output", tokenizer], log("tokenizer")))
     if code_corpus:
         phases("pretrain_data", os.path.exists(pretrain_data + "_text_document.idx"), lambda: run(
-            py + ["tools/preprocess_data.py", "--input", code_corpus, "--output-prefix", pretrain_data,
+            py + ["tools/preprocess_data.py", "--input", mixed_corpus(code_corpus, a.pretrain_extra, pretrain_data),
+                  "--output-prefix", pretrain_data,
                   "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tokenizer, "--workers", 1, "--append-eod"],
             log("pretrain_data")))
     done = lambda ckpt, iters: saved_iteration(ckpt) == iters  # noqa: E731

@@ -1,7 +1,8 @@
 """The agentic-learning benchmark's pipeline end to end at smoke size (benchmarks/agentic_learning.py --smoke):
-generated tasks -> oracle SFT data -> tokenizer -> code pretraining -> SFT -> GRPO in the sandboxed coding environment -> run_eval on
-held-out tasks for both checkpoints -> compare -> summary and figure. It checks the pipeline's content, not that
-the model learns (that is the full benchmark's job, docs/benchmarks.md)."""
+generated tasks -> oracle SFT data -> tokenizer -> code pretraining -> SFT -> GRPO in the sandboxed coding
+environment -> run_eval on held-out tasks for both checkpoints -> compare -> summary and figure. It checks the
+pipeline's content, not that the model learns (that is the full benchmark's job, docs/benchmarks.md); and the
+helpers that make a re-run resume."""
 
 import json
 import os
@@ -136,3 +137,18 @@ def test_outputs_older_than_their_inputs_are_set_aside_not_reused(tmp_path):
     assert (tmp_path / "rl.stale-2").is_dir() and (tmp_path / "rl.stale-1").is_dir()
     # nothing written yet: nothing to set aside
     assert not bench.set_aside_if_stale([str(rl)], tracker(rl), [tracker(sft)])
+
+
+def test_pretrain_extra_documents_are_shuffled_into_the_corpus(tmp_path):
+    bench = _benchmark()
+    code, extra = tmp_path / "corpus.jsonl", tmp_path / "copy.jsonl"
+    code.write_text("".join(f'{{"text": "code {i}"}}\n' for i in range(30)))
+    extra.write_text("".join(f'{{"text": "copy {i}"}}\n' for i in range(10)) + "\n")  # a blank line is dropped
+    assert bench.mixed_corpus(str(code), None, str(tmp_path / "pretrain" / "corpus")) == str(code)
+    path = bench.mixed_corpus(str(code), str(extra), str(tmp_path / "pretrain" / "corpus"))
+    assert path == str(tmp_path / "pretrain" / "mixed.jsonl")
+    mixed = open(path).read().splitlines()
+    expected = code.read_text().splitlines() + [line for line in extra.read_text().splitlines() if line]
+    assert sorted(mixed) == sorted(expected) and mixed != expected  # every document once, interleaved
+    assert bench.mixed_corpus(str(code), str(extra), str(tmp_path / "pretrain" / "corpus")) == path
+    assert open(path).read().splitlines() == mixed  # seeded: the same mix on a re-run
