@@ -45,9 +45,10 @@ def preprocessed(directory, corpus, tokenizer, name="corpus", **overrides) -> st
     return result.outputs["text"]
 
 
-def load_tool(name: str):
-    """A tools/ script as a module, to call its main() in-process (no interpreter start-up per check)."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
+def load_tool(name: str, folder: str = "tools"):
+    """A tools/ (or benchmarks/) script as a module, to call its main() or helpers in-process (no interpreter
+    start-up per check)."""
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", os.path.join(ROOT, folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

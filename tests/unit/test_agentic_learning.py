@@ -72,13 +72,9 @@ def test_agentic_learning_smoke(tmp_path):
 
 
 def _benchmark():
-    import importlib.util
+    from tests.unit.data_fixtures import load_tool
 
-    spec = importlib.util.spec_from_file_location("agentic_learning_bench",
-                                                  os.path.join(ROOT, "benchmarks", "agentic_learning.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("agentic_learning", "benchmarks")
 
 
 def _fake_save(root, iteration):

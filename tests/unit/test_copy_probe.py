@@ -1,19 +1,15 @@
 """benchmarks/copy_probe.py's documents and bounds (the probe itself is a benchmark: docs/benchmarks.md)."""
 
-import importlib.util
 import math
 import os
 
 import pytest
 
-from tests.unit.data_fixtures import ROOT, small_corpus, trained_tokenizer
+from tests.unit.data_fixtures import ROOT, load_tool, small_corpus, trained_tokenizer
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("copy_probe", os.path.join(ROOT, "benchmarks", "copy_probe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("copy_probe", "benchmarks")
 
 
 def test_token_documents_repeat_one_token_words_at_varying_distances(tmp_path):
