@@ -344,7 +344,8 @@ def test_rl_composer_generates_on_remote_servers(tmp_path, nproc, extra):
 
     arch = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64"]
     assert TINY[:6] == arch
-    with _serve_subprocess(*arch) as (_, url):
+    # --speculation always: 'auto' decodes a batch plainly when it measures no gain, and then logs no acceptance
+    with _serve_subprocess(*arch, "--speculation", "always") as (_, url):
         logs, weights = str(tmp_path / "logs"), str(tmp_path / "weights")
         p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 4), "--rl-log-dir", logs, "--train-iters", "2",
                          "--rl-remote-servers", url, "--rl-remote-weights-dir", weights, "--rl-routing-replay",

@@ -150,8 +150,12 @@ def test_continuous_worker_decodes_its_requests_together_and_a_kill_loses_them_a
         handles = [f.submit(0, RolloutRequest(10 + i, tasks[2 * i:2 * i + 2], seed=i, min_version=2))
                    for i in range(3)]
         _wait_held(f, 3)
+        decoded = lambda: sum(rows * n for rows, n in ray.get(f.actors[0].engine_steps.remote()).items())  # noqa: E731
+        before = decoded()
         f.publish(2, lambda: model_weights(model))
-        time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while decoded() == before and time.monotonic() < deadline:  # killed once the batch decodes (a fixed
+            time.sleep(0.002)  # sleep raced it: on an idle machine the requests had finished)
         os.kill(f.worker_pid(0), signal.SIGKILL)
         for h in handles:
             with pytest.raises(WorkerLost):
