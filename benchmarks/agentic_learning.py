@@ -83,12 +83,15 @@ class Phases:
 
 
 def saved_iteration(ckpt: str):
-    """The iteration of a checkpoint directory's latest save, or None when it holds none."""
+    """The iteration of a checkpoint directory's latest save, or None when it holds none (the rule --load uses:
+    the tracker, else the latest complete iter_N/ a kill left before its tracker was written)."""
+    from megatron_ext.training.checkpointing import CheckpointError, read_tracker
+
     try:
-        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
+        tag = read_tracker(ckpt)
+    except CheckpointError:
         return None
+    return tag if isinstance(tag, int) else None
 
 
 def resume_or(ckpt: str, fresh: list) -> list:

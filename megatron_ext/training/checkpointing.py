@@ -8,7 +8,8 @@ Layout of a save directory (Megatron-LM's, so its tools recognise it)::
 
 A checkpoint is written into ``iter_N.tmp`` and renamed only once every rank has finished and the manifest is
 written; the tracker is replaced after that. A crash at any point leaves the previous tracker pointing at a
-complete checkpoint. Loading verifies the manifest first, so a truncated, missing or corrupted file is reported by
+complete checkpoint (or, before the first tracker is written, a complete iter_N/ that `read_tracker` stands in for
+it). Loading verifies the manifest first, so a truncated, missing or corrupted file is reported by
 name before any tensor is read. The CRC-32 of each data file is computed from the bytes as they are written (no
 second read; see `checksummed_writes`); verifying them on load reads every file once, spread over the ranks
 (`--skip-checkpoint-checksums` checks sizes only).
@@ -56,9 +57,18 @@ def checkpoint_dir(root: str, iteration: int | str) -> str:
 
 
 def read_tracker(root: str) -> int | str | None:
+    """The checkpoint a --load of `root` means: the tracker's iteration (or release), None when nothing is saved.
+
+    Without a tracker, the latest complete iter_N/ (its manifest is written before the rename that makes it
+    visible) stands in: a kill between a first save's rename and its tracker write leaves exactly that, and the
+    re-run of the same command resumes from it instead of being refused. A tracker that names an older iteration
+    than some iter_N/ is obeyed (the tracker is the commit point, and rolling it back by hand is how one resumes
+    from an earlier save)."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
-        return None
+        complete = [n for n in saved_iterations(root)
+                    if os.path.exists(os.path.join(checkpoint_dir(root, n), MANIFEST))]
+        return complete[-1] if complete else None
     text = open(path).read().strip()
     if text == RELEASE:
         return RELEASE
@@ -91,7 +101,11 @@ def check_save_target(args: argparse.Namespace):
     if same and isinstance(tag, int) and not args.finetune:
         return  # resuming this run: later iterations are rewritten by the run they belong to
     held = f"checkpoints at iteration{'s' if len(iterations) > 1 else ''} {', '.join(map(str, iterations))}"
-    if same and tag == RELEASE:
+    if tag is None:
+        why = (f"--save {root} holds iter_N directories ({', '.join(map(str, iterations))}) but no {TRACKER} and no "
+               f"complete checkpoint (iter_N/ with {MANIFEST}): nothing to resume from, and this run would overwrite "
+               "them")
+    elif same and tag == RELEASE:
         why = (f"--save {root} holds training {held} besides the converted checkpoint its tracker points at "
                f"({RELEASE}/): this run starts from iteration 0 and would overwrite them")
     elif same:
@@ -99,8 +113,9 @@ def check_save_target(args: argparse.Namespace):
     else:
         start = "--load " + args.load if args.load else "no --load (a fresh start)"
         why = f"--save {root} already holds {held}, and this run starts from {start}: it would overwrite them"
-    raise CheckpointError(f"{why}. Pass --load {root} to resume from the latest, choose another --save, or pass "
-                          "--override-save to start over there (checkpoints of the same iteration are replaced)")
+    resume = "" if tag is None else f"Pass --load {root} to resume from the latest, "
+    raise CheckpointError(f"{why}. {resume}{'c' if resume else 'C'}hoose another --save, or pass --override-save to "
+                          "start over there (checkpoints of the same iteration are replaced)")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -244,8 +259,10 @@ def _save_checkpoint(args, iteration, model, optimizer, scheduler, extra):
 def publish(root: str, tmp: str, final: str, tag: int | str):
     """Make a completely written checkpoint visible: manifest, rename, then the tracker (each step atomic)."""
     _write_manifest(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    replaced = final + ".old"
+    if os.path.exists(final):  # moved aside, not deleted in place: a kill mid-delete would leave the tracker's
+        shutil.rmtree(replaced, ignore_errors=True)  # checkpoint half gone for as long as a big rmtree takes
+        os.replace(final, replaced)
     os.replace(tmp, final)
     tracker_tmp = os.path.join(root, TRACKER + ".tmp")
     with open(tracker_tmp, "w") as f:
@@ -253,6 +270,7 @@ def publish(root: str, tmp: str, final: str, tag: int | str):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 class ChecksumStream:
@@ -622,7 +640,8 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler, log=p
         log(f"loading {ckpt} saved under {common.get('layout')} into {_layout(args)}: resharding, RNG state not "
             "restored")
     sharding = common.get("optim_sharding_type", "fully_reshardable")  # what older checkpoints were written in
-    if load_optim and sharding == "dp_reshardable" and _model_shards(common.get("layout")) != _model_shards(_layout(args)):
+    resharded = _model_shards(common.get("layout")) != _model_shards(_layout(args))
+    if load_optim and sharding == "dp_reshardable" and resharded:
         raise CheckpointError(
             f"{ckpt} holds dp_reshardable optimizer state (the default): only the data-parallel size may change, "
             f"but it was saved under {common.get('layout')} and this run is {_layout(args)}. Pass --no-load-optim "

@@ -85,3 +85,67 @@ def test_every_architecture_field_has_a_flag_to_name():
 def test_clip_grad_must_be_finite_and_not_negative(value):
     with pytest.raises(ArgumentError, match=r"--clip-grad must be a finite number >= 0.*0 switches clipping off"):
         parse_args(TINY + ["--clip-grad", value], world_size=1)
+
+
+def test_a_first_save_killed_before_its_tracker_resumes(two_saves, tmp_path, capsys):
+    """A kill between a first save's rename (iter_N/ complete, manifest in it) and its tracker write leaves no
+    tracker. The re-run of a resuming command continues from that checkpoint; a fresh start is still refused."""
+    import shutil
+
+    save = str(tmp_path / "ckpt")
+    os.makedirs(save)
+    shutil.copytree(checkpoint_dir(two_saves, 2), checkpoint_dir(save, 2))
+    os.makedirs(checkpoint_dir(save, 3) + ".tmp")  # what a later, unfinished save leaves: never a candidate
+    assert not os.path.exists(os.path.join(save, TRACKER)) and read_tracker(save) == 2
+    capsys.readouterr()
+    assert entry.main(TINY + ["--train-iters", "4", "--load", save, "--save", save]) == 0
+    out = capsys.readouterr().out
+    assert f"loaded {checkpoint_dir(save, 2)} (iteration 2)" in out
+    assert read_tracker(save) == 4 and open(os.path.join(save, TRACKER)).read().strip() == "4"
+    code = entry.main(TINY + ["--train-iters", "2", "--save", save])
+    assert code == 2 and "already holds checkpoints at iterations 2, 4" in capsys.readouterr().err
+
+
+def test_iteration_directories_without_tracker_or_manifest_are_named(tmp_path, capsys):
+    """Not ours (no manifest) and no tracker: nothing to resume from; the refusal says so, not '--finetune'."""
+    save = str(tmp_path / "ckpt")
+    os.makedirs(checkpoint_dir(save, 5))
+    assert read_tracker(save) is None
+    code = entry.main(TINY + ["--train-iters", "2", "--load", save, "--save", save])
+    err = capsys.readouterr().err
+    assert code == 2 and "--finetune" not in err
+    assert f"no {TRACKER} and no complete checkpoint (iter_N/ with {MANIFEST})" in err
+    assert "--override-save" in err
+
+
+def test_a_checkpoint_saved_again_replaces_the_old_one_by_renames(tmp_path, monkeypatch):
+    """Re-saving iteration N moves the old iter_N/ aside before the new one is renamed in, so the tracker never
+    names a half-deleted directory; a leftover of a kill in between (iter_N.old/) is neither a checkpoint nor kept."""
+    from megatron_ext.training import checkpointing
+
+    root = str(tmp_path / "ckpt")
+    final = checkpoint_dir(root, 3)
+
+    def write(tag):
+        tmp = final + ".tmp"
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "data"), "w") as f:
+            f.write(tag)
+        checkpointing.publish(root, tmp, final, 3)
+
+    write("first")
+    os.makedirs(final + ".old")  # what a kill after the move-aside left from an earlier replacement
+    assert checkpointing.saved_iterations(root) == [3] and read_tracker(root) == 3
+    removed = []
+    real_rmtree = checkpointing.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):  # the old checkpoint is never deleted where the tracker points
+        removed.append((path, os.path.exists(os.path.join(path, "data")) and open(os.path.join(path, "data")).read()))
+        assert os.path.abspath(path) != os.path.abspath(final)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", rmtree)
+    write("second")
+    assert open(os.path.join(final, "data")).read() == "second"
+    assert ("first" in [content for _, content in removed]) and not os.path.exists(final + ".old")
+    assert sorted(os.listdir(root)) == ["iter_0000003", TRACKER]
