@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ext.eval.stats import wilson  # noqa: E402
+from megatron_ext.lifetime import run_tied  # noqa: E402
 
 PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
 
@@ -55,7 +56,7 @@ def run(cmd: list, log_path: str, threads: int = 1):
     4 s to 56 s here."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     with open(log_path, "w") as log:
-        code = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        code = run_tied([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code:
         with open(log_path) as f:
             tail = f.read()[-2000:]

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ext.env.agent_tasks import MODULE_HEADS, MODULE_TAILS  # noqa: E402
+from megatron_ext.lifetime import run_tied  # noqa: E402
 
 MODEL_FLAGS = ("--model tiny --mtp-num-layers 0 --q-lora-rank 64 --kv-lora-rank 64 --qk-pos-emb-head-dim 16 "
                "--rotary-scaling-factor 1")
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
 
     def run(cmd, name):
         with open(os.path.join(out, name + ".log"), "w") as log:
-            code = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            code = run_tied([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         if code:
             raise SystemExit(f"{name} failed ({code}); see {os.path.join(out, name + '.log')}")
 

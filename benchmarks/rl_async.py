@@ -23,6 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_ext.lifetime import run_tied  # noqa: E402
 from megatron_ext.rl.env import digit_tasks, write_prompts  # noqa: E402
 
 MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "8",
@@ -34,7 +35,7 @@ def run(cmd, log_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        code = run_tied(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({code}); see {log_path}")
     return time.perf_counter() - t0

@@ -27,6 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_ext.lifetime import run_tied  # noqa: E402
 from megatron_ext.rl.env import OPS, SEQUENCE_OPS, digit_tasks, write_prompts  # noqa: E402
 
 MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "8"]
@@ -35,7 +36,7 @@ MODEL = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro
 def run(cmd, log_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
-        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        code = run_tied(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code:
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log_path}")
 

@@ -15,8 +15,8 @@ in every spawned child (which imports the entry script's module, and with it thi
 * a torchrun worker (a rank) watches torchrun and exits when it is gone: torchrun starts each rank in a session of
   its own, so a kill -9 of torchrun, or of the process group it runs in, left the ranks training (seen: a killed
   benchmark's two ranks trained on for a minute until stopped by hand), and a re-run command's new ranks would
-  then write into the same --save as the orphans. (A SIGTERM or SIGINT reaches torchrun, which forwards it and waits for the
-  ranks to save and exit; only then is it gone.)
+  then write into the same --save as the orphans. (A SIGTERM or SIGINT reaches torchrun, which forwards it and
+  waits for the ranks to save and exit; only then is it gone.)
 * processes started by exec (Ray's local instance: its GCS and raylet die with the trainer, but the raylet's
   dashboard and runtime-env agents outlive it, their exit hung on the dead GCS, and catch SIGTERM) are reaped by a
   watcher process (`supervise_descendants`) that records the trainer's descendants and kills them when it dies.
@@ -150,3 +150,47 @@ def supervise_descendants(interval: float = 1.0):
 
     _watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(interval)],
                                 stdin=subprocess.DEVNULL, close_fds=True)
+
+
+
+def run_tied(cmd: list, **popen_kwargs) -> int:
+    """Run `cmd` as a child that does not outlive this process; its exit status.
+
+    For drivers that start training phases (torchrun and the ranks under it) and wait for them. Without this a
+    killed driver left its running phase behind, still writing into the --save that the re-run of the same command
+    resumes from (seen: `kill` of benchmarks/agentic_learning.py left its RL torchrun training). Here:
+
+    * SIGTERM or SIGINT sent to this process (a `kill`, Ctrl-C) is passed on to the child once, and the child is
+      waited for, so a training phase saves and exits as it does when signalled directly; then this process exits
+      with 128 + the signal instead of going on to the next phase. The child runs in a session of its own, so a
+      signal to this process's group reaches it only through this forwarding (torchrun signalled twice stops waiting
+      for its ranks' save).
+    * A SIGKILL of this process takes the child with it (the kernel's parent-death signal, armed before exec); the
+      ranks under a killed torchrun exit by themselves (see `install`).
+    """
+    import signal
+    import subprocess
+
+    parent = os.getpid()
+
+    def arm():
+        if _prctl_parent_death(signal.SIGKILL) and os.getppid() != parent:
+            os._exit(1)  # the parent died before the signal was armed
+
+    proc = subprocess.Popen(cmd, preexec_fn=arm, start_new_session=True, **popen_kwargs)
+    received = []
+
+    def forward(sig, frame):
+        received.append(sig)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise SystemExit(128 + received[0])
+    return code

@@ -193,9 +193,13 @@ def pretrain(args: argparse.Namespace, forward_step_func: Callable, train_iterat
                 save(iteration)
                 saved_at = iteration
             if sigterm.any_rank():
-                log(f"{sigterm.name} received: saving a checkpoint at iteration {iteration} and exiting", flush=True)
                 if args.save and saved_at != iteration:
+                    log(f"{sigterm.name} received: saving a checkpoint at iteration {iteration} and exiting",
+                        flush=True)
                     save(iteration)
+                else:
+                    log(f"{sigterm.name} received: exiting at iteration {iteration}"
+                        f"{' (saved)' if args.save else ' (no --save: nothing kept)'}", flush=True)
                 return iteration
             if args.exit_interval and iteration % args.exit_interval == 0:
                 log(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})", flush=True)

@@ -195,3 +195,72 @@ def test_kill_9_of_an_asynchronous_rl_trainer_leaves_no_ray_process(tmp_path):
     finally:
         for pid in _tree(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+
+    sys.path.insert(0, sys.argv[1])
+    from megatron_ext.lifetime import run_tied
+
+    code = run_tied([sys.executable, "-c", sys.argv[3], sys.argv[2]])
+    open(sys.argv[2] + "/driver_went_on", "w").write(str(code))
+""")
+
+PHASE = textwrap.dedent("""
+    import os, signal, sys, time
+    out = sys.argv[1]
+    signals = []
+    signal.signal(signal.SIGTERM, lambda sig, frame: signals.append(sig))  # a trainer: remember, save, exit
+    open(out + "/phase_pid", "w").write(str(os.getpid()))
+    while not signals:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the save
+    open(out + "/phase_saved", "w").write(str(len(signals)))
+""")
+
+
+def _start_driver(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), ROOT, str(tmp_path), PHASE], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "phase_pid").exists() or not (tmp_path / "phase_pid").read_text():
+        assert time.monotonic() < deadline and driver.poll() is None, "the phase did not start"
+        time.sleep(0.05)
+    return driver, int((tmp_path / "phase_pid").read_text())
+
+
+@pytest.mark.parametrize("target", ["driver", "group"])
+def test_a_signalled_driver_passes_sigterm_on_once_and_waits_for_the_save(tmp_path, target):
+    """`kill` of a benchmark driver used to leave its training phase running into the --save its re-run resumes
+    from. Now the phase gets the signal exactly once (also when the driver's whole group is signalled), saves, and
+    the driver stops instead of starting the next phase."""
+    driver, phase = _start_driver(tmp_path)
+    try:
+        assert os.getsid(phase) != os.getsid(driver.pid)  # signals reach it only through the driver
+        if target == "driver":
+            os.kill(driver.pid, signal.SIGTERM)
+        else:
+            os.killpg(driver.pid, signal.SIGTERM)
+        assert driver.wait(timeout=30) == 128 + signal.SIGTERM
+        assert (tmp_path / "phase_saved").read_text() == "1"  # the driver waited for the save; one signal
+        assert not (tmp_path / "driver_went_on").exists()
+    finally:
+        if _alive(phase):
+            os.kill(phase, signal.SIGKILL)
+        driver.kill()
+
+
+def test_a_killed_driver_takes_its_phase_with_it(tmp_path):
+    driver, phase = _start_driver(tmp_path)
+    try:
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while _alive(phase) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(phase), "the phase outlived its killed driver"
+    finally:
+        if _alive(phase):
+            os.kill(phase, signal.SIGKILL)
