@@ -16,7 +16,9 @@ latest save when it was stopped part way; DIR is --out):
                 files, module before and after (tools/make_agent_tasks.py --corpus, tools/preprocess_data.py;
                 DIR/ckpt/pretrain); no held-out program is in it. --pretrain-iters 0 skips it; --init starts it
                 from other weights, --pretrain-extra mixes more documents in (a copy warm-up's, to keep its skill)
-  5. sft        pretrain_composer.py --sft from the pretrained checkpoint, deliberately short (DIR/ckpt/sft)
+  5. sft        pretrain_composer.py --sft from the pretrained checkpoint, deliberately short (DIR/ckpt/sft);
+                --sft-renamed-copies N trains on N copies of each oracle conversation with its names drawn afresh
+                (DIR/sft_renamed_xN.jsonl) instead, so that names can only be copied, not recalled
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
   7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
@@ -148,6 +150,27 @@ def mixed_corpus(code_corpus: str, extra: str | None, prefix: str) -> str:
     path = os.path.join(os.path.dirname(prefix), "mixed.jsonl")
     with open(path, "w") as f:
         f.writelines(lines)
+    return path
+
+
+def renamed_conversations(sft_path: str, copies: int, seed: int, path: str) -> str:
+    """`copies` renamed copies of each SFT conversation (agent_tasks.rename_identifiers), shuffled, in `path`."""
+    import random
+
+    from megatron_ext.env.agent_tasks import rename_identifiers
+
+    rng = random.Random(f"sft-renamed:{seed}")
+    records = [json.loads(line) for line in open(sft_path) if line.strip()]
+    out = []
+    for copy in range(copies):
+        for record in records:
+            renamed, _ = rename_identifiers(record, rng)
+            out.append({**renamed, "id": f"{record.get('id', 'sft')}-renamed-{copy}"})
+    rng.shuffle(out)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in out)
+    os.replace(tmp, path)
     return path
 
 
@@ -347,6 +370,10 @@ def main(argv=None):
                    help="more pretraining documents ({\"text\": ...} lines), shuffled into the code corpus (DIR/"
                         "pretrain/mixed.jsonl), e.g. a copy warm-up's own documents (copy_probe.py's OUT/copy.jsonl) "
                         "so that code pretraining from its --init keeps the skill")
+    p.add_argument("--sft-renamed-copies", type=int, default=0, metavar="N",
+                   help="SFT on N copies of each oracle conversation whose module, package and function names are "
+                        "drawn afresh from the generator's pools (DIR/sft_renamed_xN.jsonl; the tokenizer still sees "
+                        "DIR/sft.jsonl); 0: the conversations as played")
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
@@ -435,10 +462,16 @@ def main(argv=None):
                   "--seed", a.seed, *resume_or(pretrain_ckpt, ["--load", a.init, "--finetune"] if a.init else [])],
             log("pretrain")))
     init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
-    set_aside_if_stale([sft_ckpt], tracker(sft_ckpt), [sft_data] + ([tracker(pretrain_ckpt)] if code_corpus else []))
+    sft_input = sft_data
+    if a.sft_renamed_copies:
+        sft_input = os.path.join(out, f"sft_renamed_x{a.sft_renamed_copies}.jsonl")
+        set_aside_if_stale([sft_input], sft_input, [sft_data])
+        phases("sft_renamed", os.path.exists(sft_input),
+               lambda: renamed_conversations(sft_data, a.sft_renamed_copies, a.seed, sft_input))
+    set_aside_if_stale([sft_ckpt], tracker(sft_ckpt), [sft_input] + ([tracker(pretrain_ckpt)] if code_corpus else []))
     phases("sft", done(sft_ckpt, a.sft_iters), lambda: run(
         launcher(a.ranks) + [
-            "pretrain_composer.py", *model, *resume_or(sft_ckpt, init), "--sft", "--data-path", sft_data,
+            "pretrain_composer.py", *model, *resume_or(sft_ckpt, init), "--sft", "--data-path", sft_input,
               "--tokenizer-model", tokenizer,
               *PROMPT_OPTIONS, "--micro-batch-size", 1, "--global-batch-size", a.sft_batch, "--lr", a.sft_lr,
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -484,6 +485,55 @@ def corpus_document(task: AgentTask) -> str:
     if fixed != task.files[path]:
         parts.append(f"`{path}`, fixed:\n{fixed}")
     return "\n".join(parts)
+
+
+def _identifier_pattern(names) -> re.Pattern:
+    """Whole identifiers: not inside a longer name, but `_` and `/` are boundaries (`test_NAME`, `PKG/MOD.py`)."""
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    return re.compile(rf"(?<![A-Za-z0-9])({alternatives})(?![A-Za-z0-9])")
+
+
+_MODULES = [h + t for h in MODULE_HEADS for t in MODULE_TAILS]
+_FUNCTIONS = [f"{v}_{n}" for v in VERBS for n in NOUNS]
+_POOLS = (("module", _MODULES), ("package", PACKAGES), ("subpackage", SUBPACKAGES), ("function", _FUNCTIONS))
+_FIND = {kind: _identifier_pattern(pool) for kind, pool in _POOLS}
+
+
+def rename_identifiers(conversation: dict, rng: random.Random) -> tuple[dict, dict[str, str]]:
+    """The conversation with every generated name (module, package, subpackage, function) replaced, consistently
+    in every message and tool-call argument, by another draw from the same pool: what the sandbox would have shown
+    for the same task under those names. SFT on such copies cannot write a name from memory of the training tasks
+    (400 tasks share 120 module names), only by copying it from the instruction or a tool's output. Returns the
+    copy and the mapping (old -> new)."""
+    texts = [m.get("content") for m in conversation["messages"] if isinstance(m.get("content"), str)]
+    texts += [c["function"]["arguments"] for m in conversation["messages"] for c in m.get("tool_calls") or []]
+    text = "\n".join(texts)
+    mapping: dict[str, str] = {}
+    for kind, pool in _POOLS:
+        found = sorted(set(_FIND[kind].findall(text)) - set(mapping))
+        if kind in ("package", "subpackage"):  # ordinary words too ("common", "extra"): only as a path component
+            found = [n for n in found if re.search(rf"(?<![A-Za-z0-9]){n}[/.][a-z]|/{n}(?![A-Za-z0-9])", text)]
+        taken = set(found) | set(mapping.values())
+        for old in found:
+            new = rng.choice([n for n in pool if n not in taken and n not in GUARDED_MODULES])
+            mapping[old] = new
+            taken.add(new)
+    if not mapping:
+        return json.loads(json.dumps(conversation)), {}
+    out = json.loads(json.dumps(conversation))
+    for m in out["messages"]:
+        if isinstance(m.get("content"), str):
+            m["content"] = substitute_names(m["content"], mapping)
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = substitute_names(call["function"]["arguments"], mapping)
+    return out, mapping
+
+
+def substitute_names(text: str, mapping: dict[str, str]) -> str:
+    """`text` with each whole identifier of `mapping` replaced at once (a swap of two names stays a swap)."""
+    if not mapping:
+        return text
+    return _identifier_pattern(mapping).sub(lambda m: mapping[m.group(1)], text)
 
 
 def generate_corpus(seed: int, count: int, kinds=KINDS, max_depth: int = 3,

@@ -266,3 +266,67 @@ def test_corpus_holds_training_programs_only_and_what_an_agent_copies(tmp_path):
 def test_corpus_flags_go_together(tmp_path, capsys, args):
     assert make(tmp_path / "x", "--train", "3", "--heldout", "0", *args) == 2
     assert "--corpus and --corpus-tasks go together" in capsys.readouterr().err
+
+
+
+def _rename_task(src, dst, task_id, mapping):
+    """Task `task_id` of the family at `src`, appended to the family at `dst`, with every name of `mapping`
+    substituted in its record, files, file paths and oracle script: the same task generated under other names."""
+    from megatron_ext.env.agent_tasks import substitute_names
+
+    record = next(line for line in open(os.path.join(src, "train.jsonl")) if json.loads(line)["id"] == task_id)
+    with open(os.path.join(dst, "train.jsonl"), "a") as f:
+        f.write(substitute_names(record.strip(), mapping) + "\n")
+    for rel, data in tree(os.path.join(src, "tasks", task_id)).items():
+        path = os.path.join(dst, "tasks", task_id, substitute_names(rel, mapping))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(substitute_names(data.decode(), mapping))
+    os.makedirs(os.path.join(dst, "oracle"), exist_ok=True)
+    with open(os.path.join(dst, "oracle", f"{task_id}.json"), "w") as f:
+        f.write(substitute_names(open(os.path.join(src, "oracle", f"{task_id}.json")).read(), mapping))
+
+
+def test_renamed_sft_conversations_are_what_the_sandbox_shows_under_the_new_names(family, tmp_path):
+    """agentic_learning --sft-renamed-copies: a conversation renamed by `rename_identifiers` equals the oracle
+    episode played in the sandbox on the same task generated under the new names (test timings aside), for each
+    kind; every generated name changes, to another of the generator's pools."""
+    import random
+
+    from megatron_ext.env.agent_tasks import MODULE_HEADS, MODULE_TAILS, PACKAGES, SUBPACKAGES, rename_identifiers
+
+    sft = _tool("build_agent_sft")
+    ids = [f"train-000{i}-{kind}" for i, kind in enumerate(KINDS)]
+    original, suite = tmp_path / "original.jsonl", tmp_path / "suite.jsonl"
+    suite.write_text("".join(line for line in open(family / "train.jsonl") if json.loads(line)["id"] in ids))
+    os.symlink(family / "tasks", tmp_path / "tasks")  # the records' repo paths are relative to the suite
+    assert sft.main(["--tasks", str(suite), "--oracle", str(family / "oracle"), "--output", str(original),
+                     "--env-sandbox-dir", str(tmp_path)]) == 0
+    conversations = {r["id"]: r for r in map(json.loads, open(original))}
+    assert sorted(conversations) == sorted(ids)
+    modules = {h + t for h in MODULE_HEADS for t in MODULE_TAILS}
+    functions = re.compile(r"[a-z]+_[a-z]+")
+    renamed_dir, renamed, rng = tmp_path / "renamed", {}, random.Random(5)
+    renamed_dir.mkdir()
+    for task_id in ids:
+        renamed[task_id], mapping = rename_identifiers(conversations[task_id], rng)
+        kind = task_id.rsplit("-", 1)[1]
+        new = set(mapping.values())
+        assert len(new) == len(mapping) and all(n != old for old, n in mapping.items())
+        # the module, the target and helper functions; the submodule kind's package and subpackage too
+        assert len(mapping) in ((5,) if kind == "submodule" else (3, 4))  # 4: the module in a package
+        assert len([n for n in new if functions.fullmatch(n)]) == 2
+        assert all(functions.fullmatch(n) or n in modules | set(PACKAGES) | set(SUBPACKAGES) for n in new)
+        if kind == "submodule":
+            assert len(new & set(SUBPACKAGES)) == 1
+        text = json.dumps(renamed[task_id]["messages"])
+        assert not [old for old in mapping if re.search(rf"(?<![A-Za-z0-9]){old}(?![A-Za-z0-9])", text)]
+        _rename_task(str(family), str(renamed_dir), task_id, mapping)
+    played = tmp_path / "played.jsonl"
+    assert sft.main(["--tasks", str(renamed_dir / "train.jsonl"), "--oracle", str(renamed_dir / "oracle"),
+                     "--output", str(played), "--env-sandbox-dir", str(tmp_path)]) == 0
+    timing = lambda r: re.sub(r" in \d+\.\d+s", " in Ts", json.dumps(r["messages"]))  # noqa: E731
+    records = list(map(json.loads, open(played)))
+    assert sorted(r["id"] for r in records) == sorted(ids)
+    for record in records:
+        assert timing(record) == timing(renamed[record["id"]])

@@ -148,3 +148,26 @@ def test_pretrain_extra_documents_are_shuffled_into_the_corpus(tmp_path):
     assert sorted(mixed) == sorted(expected) and mixed != expected  # every document once, interleaved
     assert bench.mixed_corpus(str(code), str(extra), str(tmp_path / "pretrain" / "corpus")) == path
     assert open(path).read().splitlines() == mixed  # seeded: the same mix on a re-run
+
+
+def test_sft_renamed_copies_are_seeded_and_rename_every_conversation(tmp_path):
+    bench = _benchmark()
+    talk = lambda i, module, fn: {"id": f"t{i}", "messages": [  # noqa: E731
+        {"role": "user", "content": f"Fix {fn}(xs) in `{module}.py`."},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.read_file:0", "type": "function",
+         "function": {"name": "read_file", "arguments": json.dumps({"path": f"{module}.py"})}}]}]}
+    names = [("listbag", "tune_bits"), ("numops", "fold_text"), ("calckit", "mix_code")]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(talk(i, m, f)) + "\n" for i, (m, f) in enumerate(names)))
+    path = bench.renamed_conversations(str(sft), 4, 1, str(tmp_path / "renamed.jsonl"))
+    records = [json.loads(line) for line in open(path)]
+    assert sorted(r["id"] for r in records) == sorted(f"t{i}-renamed-{c}" for i in range(3) for c in range(4))
+    for r in records:
+        user = r["messages"][0]["content"]
+        call = json.loads(r["messages"][1]["tool_calls"][0]["function"]["arguments"])
+        module, fn = user.split("`")[1][:-len(".py")], user.split()[1].split("(")[0]
+        assert call["path"] == f"{module}.py"  # the copy still says the same thing twice
+        assert (module, fn) != names[int(r["id"][1])] and module != names[int(r["id"][1])][0]
+    assert len({r["messages"][0]["content"] for r in records}) > 6  # names drawn afresh per copy
+    again = bench.renamed_conversations(str(sft), 4, 1, str(tmp_path / "again.jsonl"))
+    assert open(again).read() == open(path).read()  # seeded
