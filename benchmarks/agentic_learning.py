@@ -445,7 +445,9 @@ def main(argv=None):
                   "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tokenizer, "--workers", 1, "--append-eod"],
             log("pretrain_data")))
     done = lambda ckpt, iters: saved_iteration(ckpt) == iters  # noqa: E731
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    # a signalled phase's ranks finish their step and save: an RL step here takes over a minute, and torchrun's
+    # default wait before SIGKILL is 30 s
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--shutdown-timeout", 600, "--nproc-per-node"]
     launcher = lambda ranks: py + (torchrun + [ranks] if ranks > 1 else [])  # noqa: E731
     tracker = lambda ckpt: os.path.join(ckpt, "latest_checkpointed_iteration.txt")  # noqa: E731
     if code_corpus:
