@@ -152,7 +152,6 @@ def supervise_descendants(interval: float = 1.0):
                                 stdin=subprocess.DEVNULL, close_fds=True)
 
 
-
 def run_tied(cmd: list, **popen_kwargs) -> int:
     """Run `cmd` as a child that does not outlive this process; its exit status.
 

@@ -518,8 +518,6 @@ def rename_identifiers(conversation: dict, rng: random.Random) -> tuple[dict, di
             new = rng.choice([n for n in pool if n not in taken and n not in GUARDED_MODULES])
             mapping[old] = new
             taken.add(new)
-    if not mapping:
-        return json.loads(json.dumps(conversation)), {}
     out = json.loads(json.dumps(conversation))
     for m in out["messages"]:
         if isinstance(m.get("content"), str):
