@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -256,14 +257,36 @@ def _save_checkpoint(args, iteration, model, optimizer, scheduler, extra):
     dist.barrier()
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two directories in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False where the kernel,
+    the C library or the file system (e.g. some network file systems) cannot, with nothing changed."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def publish(root: str, tmp: str, final: str, tag: int | str):
-    """Make a completely written checkpoint visible: manifest, rename, then the tracker (each step atomic)."""
+    """Make a completely written checkpoint visible: manifest, rename, then the tracker (each step atomic). An
+    iteration saved again (--override-save, or a resume from an older tracker) is swapped in atomically where the
+    file system can (else the old one is moved aside, then the new one renamed in: a moment without iter_N/), and
+    the old one is deleted only after the tracker write: deleted in place, a kill mid-delete would leave the
+    tracker's checkpoint half gone for as long as a big rmtree takes."""
     _write_manifest(tmp)
     replaced = final + ".old"
-    if os.path.exists(final):  # moved aside, not deleted in place: a kill mid-delete would leave the tracker's
-        shutil.rmtree(replaced, ignore_errors=True)  # checkpoint half gone for as long as a big rmtree takes
-        os.replace(final, replaced)
-    os.replace(tmp, final)
+    if os.path.exists(final):
+        shutil.rmtree(replaced, ignore_errors=True)
+        if _exchange(tmp, final):
+            os.replace(tmp, replaced)
+        else:
+            os.replace(final, replaced)
+            os.replace(tmp, final)
+    else:
+        os.replace(tmp, final)
     tracker_tmp = os.path.join(root, TRACKER + ".tmp")
     with open(tracker_tmp, "w") as f:
         f.write(str(tag))

@@ -118,10 +118,23 @@ def test_iteration_directories_without_tracker_or_manifest_are_named(tmp_path, c
     assert "--override-save" in err
 
 
-def test_a_checkpoint_saved_again_replaces_the_old_one_by_renames(tmp_path, monkeypatch):
-    """Re-saving iteration N moves the old iter_N/ aside before the new one is renamed in, so the tracker never
-    names a half-deleted directory; a leftover of a kill in between (iter_N.old/) is neither a checkpoint nor kept."""
+@pytest.mark.parametrize("atomic", [True, False], ids=["exchange", "move-aside"])
+def test_a_checkpoint_saved_again_replaces_the_old_one_by_renames(tmp_path, monkeypatch, atomic):
+    """Re-saving iteration N swaps the new iter_N/ in for the old one in one atomic rename where the file system
+    can (so iter_N/ never goes missing), else moves the old one aside first; the tracker never names a
+    half-deleted directory, and a leftover of a kill in between (iter_N.old/) is neither a checkpoint nor kept."""
     from megatron_ext.training import checkpointing
+
+    if not atomic:
+        monkeypatch.setattr(checkpointing, "_exchange", lambda a, b: False)
+    else:
+        real_replace = checkpointing.os.replace
+
+        def replace(src, dst):  # with the exchange, iter_N/ itself is never renamed away
+            assert os.path.abspath(src) != os.path.abspath(final), "iter_N/ moved aside: not swapped atomically"
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(checkpointing.os, "replace", replace)
 
     root = str(tmp_path / "ckpt")
     final = checkpoint_dir(root, 3)
