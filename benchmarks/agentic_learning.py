@@ -37,6 +37,7 @@ another seed with `tools/run_eval.py --tasks T --agent local:DIR/ckpt/rl --serve
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -66,14 +67,46 @@ def run(cmd: list, log_path: str, threads: int = 1):
 
 
 class Phases:
-    """Wall time of each phase, kept in DIR/timings.json across resumed runs."""
+    """Runs the pipeline's phases, skipping those already done, across re-runs of the command. Keeps the wall time of
+    each phase (DIR/timings.json) and the settings each phase's outputs were made with (DIR/phase_settings.json:
+    its own flags and a digest of the phases it reads). A re-run with other settings (say --sft-lr, or --seed)
+    sets the outputs of the phases they reach aside, downstream ones included, and runs those phases again, instead
+    of skipping or resuming them as done."""
 
     def __init__(self, out: str):
         self.path = os.path.join(out, "timings.json")
         self.seconds = json.load(open(self.path)) if os.path.exists(self.path) else {}
+        self.settings_path = os.path.join(out, "phase_settings.json")
+        self.recorded = json.load(open(self.settings_path)) if os.path.exists(self.settings_path) else {}
+        self.digests = {}
 
-    def __call__(self, name: str, done: bool, body):
-        if done and name in self.seconds:
+    def _record(self, name: str, entry: dict):
+        self.recorded[name] = entry
+        tmp = self.settings_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.recorded, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.settings_path)
+
+    def __call__(self, name: str, done, body, settings: dict | None = None, after=(), outputs=()):
+        """`done()`: whether the outputs are complete; `settings`: what else than the outputs of the phases named in
+        `after` decides this phase's `outputs` (files or folders)."""
+        settings = json.loads(json.dumps(settings or {}, default=str))
+        upstream = {n: self.digests[n] for n in after if n in self.digests}
+        digest = hashlib.sha256(json.dumps([settings, upstream], sort_keys=True).encode()).hexdigest()[:16]
+        self.digests[name] = digest
+        old = self.recorded.get(name)
+        if old is None or old["digest"] != digest:
+            if old is not None:
+                changed = [f"{k} {old['settings'].get(k)!r} -> {settings.get(k)!r}"
+                           for k in sorted(set(old["settings"]) | set(settings))
+                           if old["settings"].get(k) != settings.get(k)]
+                changed += [f"{n} redone" for n in sorted(set(old.get("after", {})) | set(upstream))
+                            if old.get("after", {}).get(n) != upstream.get(n)]
+                set_aside(outputs, f"made with other settings ({', '.join(changed)})")
+                self.seconds.pop(name, None)
+            # recorded before the phase runs: a kill during it leaves outputs that the next run can judge
+            self._record(name, {"digest": digest, "settings": settings, "after": upstream})
+        if done() and name in self.seconds:
             print(f"[{name}] done before ({self.seconds[name]:.0f} s)", flush=True)
             return
         print(f"[{name}] ...", flush=True)
@@ -107,21 +140,38 @@ def mtime(path: str):
     return os.path.getmtime(path) if os.path.exists(path) else None
 
 
+def saved_marker(ckpt: str) -> str:
+    """What dates a checkpoint directory's latest save: its tracker, else (a kill between the rename and the
+    tracker write) the manifest of the complete iter_N/ that --load would take."""
+    from megatron_ext.training.checkpointing import MANIFEST, TRACKER, checkpoint_dir
+
+    tracker = os.path.join(ckpt, TRACKER)
+    if os.path.exists(tracker):
+        return tracker
+    iteration = saved_iteration(ckpt)
+    return tracker if iteration is None else os.path.join(checkpoint_dir(ckpt, iteration), MANIFEST)
+
+
+def set_aside(outputs, why: str):
+    """Renames each existing output to OUTPUT.stale-N (kept, never deleted), saying why."""
+    for path in outputs:
+        if os.path.lexists(path):
+            k = 1
+            while os.path.lexists(f"{path}.stale-{k}"):
+                k += 1
+            os.rename(path, f"{path}.stale-{k}")
+            print(f"{path}: {why}; set aside as {path}.stale-{k}", flush=True)
+
+
 def set_aside_if_stale(outputs: list, marker: str, inputs: list) -> bool:
-    """When `marker` (what a phase writes first, or its checkpoint's tracker) is older than one of `inputs` (what
-    the phase reads), its outputs came from other inputs (the command re-run with other settings, or an earlier
-    phase redone): rename them to OUTPUT.stale-N, keeping them, so that the phase runs again instead of being
-    skipped or resumed from them."""
+    """When `marker` (what a phase writes first, or its checkpoint's `saved_marker`) is older than one of `inputs`
+    (what the phase reads), its outputs came from other inputs (an earlier phase redone, or an input file replaced
+    by hand): rename them to OUTPUT.stale-N, keeping them, so that the phase runs again instead of being skipped or
+    resumed from them. (Changed settings are `Phases`' to notice.)"""
     written = mtime(marker)
     if written is None or not any((mtime(i) or 0) > written for i in inputs):
         return False
-    for path in outputs:
-        if os.path.exists(path):
-            k = 1
-            while os.path.exists(f"{path}.stale-{k}"):
-                k += 1
-            os.rename(path, f"{path}.stale-{k}")
-            print(f"{path}: older than its inputs, set aside as {path}.stale-{k}", flush=True)
+    set_aside(outputs, "older than its inputs")
     return True
 
 
@@ -429,29 +479,34 @@ def main(argv=None):
                   a.sft_tasks + a.rl_tasks, "--heldout", a.heldout, *kinds, *corpus], log("tasks"))
         split_train(tasks_dir, a.sft_tasks, a.rl_tasks)
 
-    phases("tasks", os.path.exists(os.path.join(tasks_dir, "rl.jsonl")) and
-           (code_corpus is None or os.path.exists(code_corpus)), make_tasks)
-    phases("sft_data", os.path.exists(sft_data), lambda: run(
+    phases("tasks", lambda: os.path.exists(os.path.join(tasks_dir, "rl.jsonl")) and
+           (code_corpus is None or os.path.exists(code_corpus)), make_tasks, outputs=[tasks_dir],
+           settings=dict(seed=a.seed, sft_tasks=a.sft_tasks, rl_tasks=a.rl_tasks, heldout=a.heldout,
+                         task_kinds=a.task_kinds, corpus_tasks=a.corpus_tasks if code_corpus else None))
+    phases("sft_data", lambda: os.path.exists(sft_data), lambda: run(
         py + ["tools/build_agent_sft.py", "--tasks", os.path.join(tasks_dir, "sft.jsonl"), "--oracle",
               os.path.join(tasks_dir, "oracle"), "--output", sft_data, "--concurrency", 2, *PROMPT_OPTIONS],
-        log("sft_data")))
-    phases("tokenizer", os.path.exists(os.path.join(tokenizer, "tokenizer.json")), lambda: run(
+        log("sft_data")), settings=dict(prompt=PROMPT_OPTIONS), after=["tasks"], outputs=[sft_data])
+    phases("tokenizer", lambda: os.path.exists(os.path.join(tokenizer, "tokenizer.json")), lambda: run(
         py + ["tools/train_tokenizer.py", "--input", tokenizer_corpus(out, sft_data, tasks_dir, code_corpus),
-              "--vocab-size", a.vocab_size, "--output", tokenizer], log("tokenizer")))
+              "--vocab-size", a.vocab_size, "--output", tokenizer], log("tokenizer")),
+        settings=dict(vocab_size=a.vocab_size), after=["tasks", "sft_data"], outputs=[tokenizer])
     if code_corpus:
-        phases("pretrain_data", os.path.exists(pretrain_data + "_text_document.idx"), lambda: run(
+        extra = dict(pretrain_extra=a.pretrain_extra, modified=mtime(a.pretrain_extra) if a.pretrain_extra else None)
+        phases("pretrain_data", lambda: os.path.exists(pretrain_data + "_text_document.idx"), lambda: run(
             py + ["tools/preprocess_data.py", "--input", mixed_corpus(code_corpus, a.pretrain_extra, pretrain_data),
                   "--output-prefix", pretrain_data,
                   "--tokenizer-type", "HFTokenizer", "--tokenizer-model", tokenizer, "--workers", 1, "--append-eod"],
-            log("pretrain_data")))
-    done = lambda ckpt, iters: saved_iteration(ckpt) == iters  # noqa: E731
+            log("pretrain_data")), settings=extra, after=["tasks", "tokenizer"],
+            outputs=[os.path.dirname(pretrain_data)])
+    done = lambda ckpt, iters: lambda: saved_iteration(ckpt) == iters  # noqa: E731
     # a signalled phase's ranks finish their step and save: an RL step here takes over a minute, and torchrun's
     # default wait before SIGKILL is 30 s
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--shutdown-timeout", 600, "--nproc-per-node"]
     launcher = lambda ranks: py + (torchrun + [ranks] if ranks > 1 else [])  # noqa: E731
-    tracker = lambda ckpt: os.path.join(ckpt, "latest_checkpointed_iteration.txt")  # noqa: E731
+    seed = dict(seed=a.seed)
     if code_corpus:
-        set_aside_if_stale([pretrain_ckpt], tracker(pretrain_ckpt), [pretrain_data + "_text_document.idx"])
+        set_aside_if_stale([pretrain_ckpt], saved_marker(pretrain_ckpt), [pretrain_data + "_text_document.idx"])
         phases("pretrain", done(pretrain_ckpt, a.pretrain_iters), lambda: run(
             launcher(a.ranks) + [
                 "pretrain_composer.py", *pretrain_model, "--data-path", pretrain_data + "_text_document",
@@ -462,15 +517,19 @@ def main(argv=None):
                   "--eval-interval", a.pretrain_iters, "--eval-iters", 1, "--log-interval",
                   max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt, "--save-interval", a.pretrain_iters,
                   "--seed", a.seed, *resume_or(pretrain_ckpt, ["--load", a.init, "--finetune"] if a.init else [])],
-            log("pretrain")))
+            log("pretrain")), after=["pretrain_data"], outputs=[pretrain_ckpt],
+            settings=dict(model=pretrain_model, iters=a.pretrain_iters, lr=a.pretrain_lr, batch=a.pretrain_batch,
+                          init=a.init, **seed))
     init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
-    sft_input = sft_data
+    sft_input, sft_source = sft_data, "sft_data"
     if a.sft_renamed_copies:
-        sft_input = os.path.join(out, f"sft_renamed_x{a.sft_renamed_copies}.jsonl")
+        sft_input, sft_source = os.path.join(out, f"sft_renamed_x{a.sft_renamed_copies}.jsonl"), "sft_renamed"
         set_aside_if_stale([sft_input], sft_input, [sft_data])
-        phases("sft_renamed", os.path.exists(sft_input),
-               lambda: renamed_conversations(sft_data, a.sft_renamed_copies, a.seed, sft_input))
-    set_aside_if_stale([sft_ckpt], tracker(sft_ckpt), [sft_input] + ([tracker(pretrain_ckpt)] if code_corpus else []))
+        phases("sft_renamed", lambda: os.path.exists(sft_input),
+               lambda: renamed_conversations(sft_data, a.sft_renamed_copies, a.seed, sft_input),
+               settings=dict(copies=a.sft_renamed_copies, **seed), after=["sft_data"], outputs=[sft_input])
+    set_aside_if_stale([sft_ckpt], saved_marker(sft_ckpt),
+                       [sft_input] + ([saved_marker(pretrain_ckpt)] if code_corpus else []))
     phases("sft", done(sft_ckpt, a.sft_iters), lambda: run(
         launcher(a.ranks) + [
             "pretrain_composer.py", *model, *resume_or(sft_ckpt, init), "--sft", "--data-path", sft_input,
@@ -479,10 +538,13 @@ def main(argv=None):
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
               "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,
               "--eval-iters", 1, "--log-interval", max(1, a.sft_iters // 10), "--save", sft_ckpt,
-              "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")))
+              "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")),
+        settings=dict(model=model, iters=a.sft_iters, lr=a.sft_lr, batch=a.sft_batch, prompt=PROMPT_OPTIONS, **seed),
+        after=["tokenizer", sft_source] + (["pretrain"] if code_corpus else []), outputs=[sft_ckpt])
     async_flags = ["--rl-rollout-workers", a.rollout_workers, "--rl-max-staleness", a.max_staleness] \
         if a.rollout_workers else []
-    set_aside_if_stale([rl_ckpt, rl_logs], tracker(rl_ckpt), [tracker(sft_ckpt), os.path.join(tasks_dir, "rl.jsonl")])
+    set_aside_if_stale([rl_ckpt, rl_logs], saved_marker(rl_ckpt),
+                       [saved_marker(sft_ckpt), os.path.join(tasks_dir, "rl.jsonl")])
     phases("rl", done(rl_ckpt, a.rl_iters), lambda: run(
         launcher(a.ranks) + [
             "rl_composer.py", "--rl-env", a.rl_env, *async_flags, "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
@@ -493,33 +555,42 @@ def main(argv=None):
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
                     "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
                     "--rl-max-turns", a.max_turns, "--log-interval", 1, "--seed", a.seed],
-        log("rl")))
+        log("rl")), after=["tasks", "sft"], outputs=[rl_ckpt, rl_logs],
+        settings=dict(env=a.rl_env, async_flags=async_flags, iters=a.rl_iters, lr=a.rl_lr, kl_beta=a.kl_beta,
+                      group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
+                      max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
+                      **seed))
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
-        set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [tracker(ckpt), heldout])
-        evaluated = os.path.exists(os.path.join(run_dir, "summary.json"))
-        phases(f"eval_{name}", evaluated, lambda ckpt=ckpt, run_dir=run_dir: run(
+        set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), heldout])
+        phases(f"eval_{name}", lambda run_dir=run_dir: os.path.exists(os.path.join(run_dir, "summary.json")),
+               lambda ckpt=ckpt, run_dir=run_dir: run(
             py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
                   "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
                   "--temperature", 1.0, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
-                  "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")))
+                  "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")),
+            settings=dict(passes=a.passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns),
+            after=["tasks", "tokenizer", name], outputs=[run_dir])
     heldout_oracle = os.path.join(out, "heldout_oracle.jsonl")
-    phases("heldout_oracle", os.path.exists(heldout_oracle), lambda: run(
+    phases("heldout_oracle", lambda: os.path.exists(heldout_oracle), lambda: run(
         py + ["tools/build_agent_sft.py", "--tasks", heldout, "--oracle", os.path.join(tasks_dir, "oracle"),
-              "--output", heldout_oracle, "--concurrency", 2, *PROMPT_OPTIONS], log("heldout_oracle")))
+              "--output", heldout_oracle, "--concurrency", 2, *PROMPT_OPTIONS], log("heldout_oracle")),
+        settings=dict(prompt=PROMPT_OPTIONS), after=["tasks"], outputs=[heldout_oracle])
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         turns_path = os.path.join(eval_dir, name, "turns.json")
-        set_aside_if_stale([turns_path], turns_path, [tracker(ckpt), heldout_oracle])
-        phases(f"turns_{name}", os.path.exists(turns_path), lambda ckpt=ckpt, turns_path=turns_path: run(
+        set_aside_if_stale([turns_path], turns_path, [saved_marker(ckpt), heldout_oracle])
+        phases(f"turns_{name}", lambda turns_path=turns_path: os.path.exists(turns_path),
+               lambda ckpt=ckpt, turns_path=turns_path: run(
             py + ["benchmarks/agent_turns.py", "--load", ckpt, "--tokenizer-model", tokenizer, "--conversations",
-                  heldout_oracle, "--out", turns_path], log(f"turns_{name}")))
+                  heldout_oracle, "--out", turns_path], log(f"turns_{name}")),
+            after=["tokenizer", "heldout_oracle", name, f"eval_{name}"], outputs=[turns_path])
     compare_dir = os.path.join(eval_dir, "compare")
     set_aside_if_stale([compare_dir], os.path.join(compare_dir, "compare.json"),
                        [os.path.join(eval_dir, name, "summary.json") for name in ("sft", "rl")])
-    phases("compare", os.path.exists(os.path.join(compare_dir, "compare.json")), lambda: run(
+    phases("compare", lambda: os.path.exists(os.path.join(compare_dir, "compare.json")), lambda: run(
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
-              "--out", compare_dir], log("compare")))
+              "--out", compare_dir], log("compare")), after=["eval_sft", "eval_rl"], outputs=[compare_dir])
 
     oracle_dir = os.path.join(tasks_dir, "oracle")
     own_paths = oracle_read_paths(heldout, oracle_dir)

@@ -171,3 +171,70 @@ def test_sft_renamed_copies_are_seeded_and_rename_every_conversation(tmp_path):
     assert len({r["messages"][0]["content"] for r in records}) > 6  # names drawn afresh per copy
     again = bench.renamed_conversations(str(sft), 4, 1, str(tmp_path / "again.jsonl"))
     assert open(again).read() == open(path).read()  # seeded
+
+
+def _pipeline(bench, out, lr, seed=1, fail=None):
+    """Three phases as the benchmark chains them: tasks (its --seed), SFT (--sft-lr, reads tasks), RL (reads
+    SFT); each writes a file naming the settings it was made with. Returns the phases whose body ran."""
+    ran = []
+
+    def body(name, content):
+        def write():
+            ran.append(name)
+            with open(out / name, "w") as f:
+                f.write(content)
+            if name == fail:
+                raise KeyboardInterrupt  # a kill during the phase: its output is there, the phase unfinished
+        return write
+
+    phases = bench.Phases(str(out))
+    phases("tasks", lambda: (out / "tasks").exists(), body("tasks", f"seed {seed}"), settings={"seed": seed},
+           outputs=[str(out / "tasks")])
+    phases("sft", lambda: (out / "sft").exists(), body("sft", f"lr {lr}"), settings={"lr": lr}, after=["tasks"],
+           outputs=[str(out / "sft")])
+    phases("rl", lambda: (out / "rl").exists(), body("rl", "rl"), after=["sft"], outputs=[str(out / "rl")])
+    return ran
+
+
+def test_a_rerun_with_other_settings_redoes_the_phases_they_reach(tmp_path, capsys):
+    """The command re-run into the same --out with another --sft-lr: SFT and the RL trained from it are set aside
+    (kept) and redone, the tasks reused; another --seed redoes everything; the same command redoes nothing. A
+    phase killed under changed settings and the old command re-run: its partial outputs are not taken as done,
+    and what was made from the old settings' outputs still holds."""
+    import pytest
+
+    bench = _benchmark()
+    out = tmp_path
+    assert _pipeline(bench, out, lr=3e-3) == ["tasks", "sft", "rl"]
+    assert _pipeline(bench, out, lr=3e-3) == []
+    assert _pipeline(bench, out, lr=1e-3) == ["sft", "rl"]
+    assert (out / "sft.stale-1").read_text() == "lr 0.003" and (out / "sft").read_text() == "lr 0.001"
+    assert (out / "rl.stale-1").exists()
+    said = capsys.readouterr().out
+    assert "made with other settings (lr 0.003 -> 0.001)" in said and "(sft redone)" in said
+    assert _pipeline(bench, out, lr=1e-3, seed=2) == ["tasks", "sft", "rl"]
+    assert (out / "tasks.stale-1").read_text() == "seed 1" and (out / "sft.stale-2").read_text() == "lr 0.001"
+    with pytest.raises(KeyboardInterrupt):
+        _pipeline(bench, out, lr=1e-3, seed=3, fail="tasks")
+    assert (out / "tasks").read_text() == "seed 3"
+    # the partial seed-3 tasks are set aside and redone; SFT and RL, made from seed-2 tasks, still hold
+    assert _pipeline(bench, out, lr=1e-3, seed=2) == ["tasks"]
+    assert (out / "tasks").read_text() == "seed 2" and (out / "tasks.stale-3").read_text() == "seed 3"
+
+
+def test_a_checkpoint_left_without_its_tracker_is_still_dated(tmp_path):
+    """A kill between a save's rename and its tracker write leaves a complete iter_N/ that --load resumes from:
+    the staleness check dates it by its manifest, so a checkpoint made from replaced inputs is still set aside."""
+    from megatron_ext.training.checkpointing import MANIFEST, TRACKER
+
+    bench = _benchmark()
+    ckpt, data = tmp_path / "ckpt", tmp_path / "data.jsonl"
+    _fake_save(str(ckpt), 4)
+    (ckpt / "iter_0000004" / MANIFEST).write_text("{}")
+    (ckpt / TRACKER).unlink()
+    assert bench.saved_marker(str(ckpt)) == str(ckpt / "iter_0000004" / MANIFEST)
+    os.utime(ckpt / "iter_0000004" / MANIFEST, (1000, 1000))
+    data.write_text("new\n")
+    assert bench.set_aside_if_stale([str(ckpt)], bench.saved_marker(str(ckpt)), [str(data)])
+    assert (tmp_path / "ckpt.stale-1" / "iter_0000004").is_dir()
+    assert bench.saved_marker(str(ckpt)) == str(ckpt / TRACKER)  # nothing saved: no date, nothing to set aside
