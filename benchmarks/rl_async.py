@@ -23,6 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.rl_learning import sft_start  # noqa: E402
 from megatron_ext.lifetime import run_tied  # noqa: E402
 from megatron_ext.rl.env import digit_tasks, write_prompts  # noqa: E402
 
@@ -129,8 +130,10 @@ def main(argv=None):
     write_prompts(files["sft"], train[:n_sft])
     write_prompts(files["rl"], train[n_sft:])
     sft = os.path.join(a.out, "sft")
-    if not os.path.exists(os.path.join(sft, "latest_checkpointed_iteration.txt")):
-        run([sys.executable, "-W", "ignore", "rl_composer.py", *MODEL, "--rl-prompts", files["sft"], "--rl-sft-warmup",
+    start = sft_start(sft, a.sft_iters)
+    if start is not None:
+        run([sys.executable, "-W", "ignore", "rl_composer.py", *MODEL, *start, "--rl-prompts", files["sft"],
+             "--rl-sft-warmup",
              "--grpo-prompts-per-step", "32", "--train-iters", str(a.sft_iters), "--lr", "5e-3", "--lr-decay-style",
              "constant", "--grpo-kl-beta", "0", "--save", sft, "--log-interval", "50"], os.path.join(a.out, "sft.log"))
     def pairs(name, model, start, repeats):
@@ -194,7 +197,8 @@ def main(argv=None):
         print("\n| hidden size | parameters | changed-only | publish s (best of 3) | bytes sent |")
         print("|---|---|---|---|---|")
         for hidden, params, delta, secs, nbytes in publication_sizes(a.sizes):
-            print(f"| {hidden} | {params / 1e6:.2f} M | {'yes' if delta else 'no'} | {secs:.4f} | {nbytes / 1e6:.1f} MB |")
+            print(f"| {hidden} | {params / 1e6:.2f} M | {'yes' if delta else 'no'} | {secs:.4f} "
+                  f"| {nbytes / 1e6:.1f} MB |")
     return 0
 
 

@@ -41,6 +41,21 @@ def run(cmd, log_path):
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log_path}")
 
 
+def sft_start(ckpt: str, iters: int):
+    """None when `ckpt` holds the finished SFT warm-up (its latest save is iteration `iters`); else the flags that
+    start it: its own save when a signal or kill left one part way (the re-run would otherwise take a half-trained
+    SFT as done, or be refused for overwriting it), or none for a fresh start."""
+    from megatron_ext.training.checkpointing import CheckpointError, read_tracker
+
+    try:
+        tag = read_tracker(ckpt)  # a kill between a save's rename and its tracker: the complete iter_N/ counts
+    except CheckpointError:
+        tag = None
+    if tag == iters:
+        return None
+    return ["--load", ckpt] if isinstance(tag, int) else []
+
+
 def evals(log_dir):
     return [json.loads(line) for line in open(os.path.join(log_dir, "eval.jsonl"))]
 
@@ -73,12 +88,15 @@ def main(argv=None):
     files = {name: os.path.join(a.out, f"{name}.jsonl") for name in ("sft", "rl", "heldout")}
     write_prompts(files["sft"], train[:n_sft])
     write_prompts(files["rl"], train[n_sft:])
-    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, ops=a.ops, min_len=a.min_len, max_len=a.max_len))
+    write_prompts(files["heldout"], digit_tasks("heldout", a.heldout, seed=1, ops=a.ops, min_len=a.min_len,
+                                                max_len=a.max_len))
     sft_ckpt, sft_logs = os.path.join(a.out, "sft"), os.path.join(a.out, "sft_logs")
     rl_ckpt, rl_logs = os.path.join(a.out, "rl"), os.path.join(a.out, "rl_logs")
     evaluation = ["--rl-eval-prompts", files["heldout"], "--rl-eval-samples", str(a.eval_samples)]
-    if not os.path.exists(os.path.join(sft_ckpt, "latest_checkpointed_iteration.txt")):
-        run([sys.executable, "-W", "ignore", "rl_composer.py", *model, "--rl-prompts", files["sft"], "--rl-sft-warmup",
+    start = sft_start(sft_ckpt, a.sft_iters)
+    if start is not None:
+        run([sys.executable, "-W", "ignore", "rl_composer.py", *model, *start, "--rl-prompts", files["sft"],
+             "--rl-sft-warmup",
              "--grpo-prompts-per-step", "32", "--train-iters", str(a.sft_iters), "--lr", str(a.sft_lr),
              "--lr-decay-style", "constant", "--grpo-kl-beta", "0", "--save", sft_ckpt, "--rl-log-dir", sft_logs,
              *evaluation, "--rl-eval-interval", str(a.sft_iters), "--log-interval", "50"],

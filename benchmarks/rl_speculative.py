@@ -22,8 +22,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.rl_learning import MODEL, run
-from megatron_ext.rl.env import digit_tasks, write_prompts
+from benchmarks.rl_learning import MODEL, run, sft_start  # noqa: E402
+from megatron_ext.rl.env import digit_tasks, write_prompts  # noqa: E402
 
 
 def per_step(log_path) -> list[dict]:
@@ -108,8 +108,10 @@ def main(argv=None):
     write_prompts(files["sft"], train[:n_sft])
     write_prompts(files["rl"], train[n_sft:])
     sft = os.path.join(a.out, "sft")
-    if not os.path.exists(os.path.join(sft, "latest_checkpointed_iteration.txt")):
-        run([sys.executable, "-W", "ignore", "rl_composer.py", *model, "--rl-prompts", files["sft"], "--rl-sft-warmup",
+    start = sft_start(sft, a.sft_iters)
+    if start is not None:
+        run([sys.executable, "-W", "ignore", "rl_composer.py", *model, *start, "--rl-prompts", files["sft"],
+             "--rl-sft-warmup",
              "--grpo-prompts-per-step", "32", "--train-iters", str(a.sft_iters), "--lr", str(a.sft_lr),
              "--lr-decay-style", "constant", "--grpo-kl-beta", "0", "--save", sft, "--log-interval", "50"],
             os.path.join(a.out, "sft.log"))

@@ -238,3 +238,23 @@ def test_a_checkpoint_left_without_its_tracker_is_still_dated(tmp_path):
     assert bench.set_aside_if_stale([str(ckpt)], bench.saved_marker(str(ckpt)), [str(data)])
     assert (tmp_path / "ckpt.stale-1" / "iter_0000004").is_dir()
     assert bench.saved_marker(str(ckpt)) == str(ckpt / TRACKER)  # nothing saved: no date, nothing to set aside
+
+
+def test_digit_benchmarks_resume_a_partial_sft_instead_of_taking_it_as_done(tmp_path):
+    """benchmarks/rl_learning.py, rl_async.py and rl_speculative.py skipped their SFT warm-up whenever its tracker
+    existed: a SIGTERM part way (which saves) left a half-trained SFT that the re-run took as done. Now: done only
+    at its own iteration count, resumed from its own save otherwise (the tracker-less save of a kill included)."""
+    from megatron_ext.training.checkpointing import MANIFEST, TRACKER
+    from tests.unit.data_fixtures import load_tool
+
+    rl_learning = load_tool("rl_learning", "benchmarks")
+    ckpt = str(tmp_path / "sft")
+    assert rl_learning.sft_start(ckpt, 100) == []
+    _fake_save(ckpt, 30)
+    assert rl_learning.sft_start(ckpt, 100) == ["--load", ckpt]
+    _fake_save(ckpt, 100)
+    assert rl_learning.sft_start(ckpt, 100) is None
+    os.remove(os.path.join(ckpt, TRACKER))  # killed before its tracker write: only the complete iter_N/ counts
+    with open(os.path.join(ckpt, "iter_0000100", MANIFEST), "w") as f:
+        f.write("{}")
+    assert rl_learning.sft_start(ckpt, 100) is None
