@@ -83,12 +83,23 @@ def test_async_exactly_once_across_trainer_kills_and_resumes(tmp_path, no_ray_le
     no_ray_left()
 
 
-def test_worker_flags_are_validated(tmp_path):
-    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-max-staleness", "2"], check=False)
-    assert p.returncode == 2 and "add --rl-rollout-workers N" in p.stderr
-    p = _run(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-rollout-workers", "2", "--rl-sft-warmup"],
-             check=False)
-    assert p.returncode == 2 and "drop --rl-rollout-workers" in p.stderr
+def _refused(argv, capsys, world_size=1, monkeypatch=None):
+    """rl_composer.main in this process (its flag checks run before any process group or Ray): (exit status,
+    stderr)."""
+    import rl_composer
+
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    code = rl_composer.main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_worker_flags_are_validated(tmp_path, capsys):
+    code, err = _refused(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-max-staleness", "2"], capsys)
+    assert code == 2 and "add --rl-rollout-workers N" in err
+    code, err = _refused(TINY + ["--rl-prompts", _prompts(tmp_path, 2), "--rl-rollout-workers", "2",
+                                 "--rl-sft-warmup"], capsys)
+    assert code == 2 and "drop --rl-rollout-workers" in err
 
 
 def test_async_run_under_torchrun(tmp_path, no_ray_left):
@@ -157,7 +168,7 @@ def test_async_workers_behind_a_tensor_parallel_trainer(tmp_path, no_ray_left):
     no_ray_left()
 
 
-def test_tensor_parallel_workers_need_a_weights_dir(tmp_path):
-    p = _run(TINY + ASYNC + ["--rl-prompts", _prompts(tmp_path, 2), "--tensor-model-parallel-size", "2",
-                             "--sequence-parallel"], nproc=2, check=False)
-    assert p.returncode != 0 and "add --rl-remote-weights-dir DIR" in p.stderr + p.stdout
+def test_tensor_parallel_workers_need_a_weights_dir(tmp_path, capsys, monkeypatch):
+    code, err = _refused(TINY + ASYNC + ["--rl-prompts", _prompts(tmp_path, 2), "--tensor-model-parallel-size", "2",
+                                         "--sequence-parallel"], capsys, world_size=2, monkeypatch=monkeypatch)
+    assert code == 2 and "add --rl-remote-weights-dir DIR" in err
