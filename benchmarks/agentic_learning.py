@@ -3,8 +3,10 @@
     python benchmarks/agentic_learning.py --out runs/agentic            # 36 minutes on 2 CPU cores
     python benchmarks/agentic_learning.py --out runs/agentic_smoke --smoke   # the default suite's few-step version
 
-Phases (each skipped when its output exists, so re-running the command resumes, a training phase from its own
-latest save when it was stopped part way; DIR is --out):
+Phases (each skipped when its output exists and was made with the same settings, recorded in
+DIR/phase_settings.json, so re-running the command resumes, a training phase from its own latest save when it was
+stopped part way; a re-run with other settings sets the outputs they reach aside as NAME.stale-N and makes them
+again; DIR is --out):
   1. tasks      tools/make_agent_tasks.py: a generated family of small repository tasks with hidden tests; the
                 train split is cut into an SFT part and a disjoint RL part, the held-out split shares no program with
                 either (DIR/tasks/{sft,rl,heldout}.jsonl, oracle scripts in DIR/tasks/oracle/)
