@@ -42,6 +42,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -222,6 +223,42 @@ def renamed_conversations(sft_path: str, copies: int, seed: int, path: str) -> s
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in out)
+    os.replace(tmp, path)
+    return path
+
+
+def code_lines(paths: list[str], limit: int = 200_000) -> list[str]:
+    """Distinct non-blank code lines (under 80 characters, indentation kept) of the code-pretraining corpus's
+    modules, or of the files the SFT conversations show: training-split programs only."""
+    seen: dict[str, None] = {}
+    for path in paths:
+        for line in open(path):
+            record = json.loads(line)
+            texts = [record["text"]] if "text" in record else [
+                m["content"] for m in record["messages"] if m["role"] == "tool" and isinstance(m.get("content"), str)]
+            for text in texts:
+                for x in text.splitlines():
+                    x = re.sub(r"^ *\d+\t", "", x)  # read_file's line numbers
+                    if x.strip() and len(x) < 80 and not x.startswith(("`", "files:", "[exit code", "edited ")):
+                        seen.setdefault(x.rstrip())
+                        if len(seen) >= limit:
+                            return list(seen)
+    return list(seen)
+
+
+def with_copy_drills(sft_path: str, drills: int, seed: int, lines: list[str], path: str) -> str:
+    """`sft_path`'s conversations and `drills` copy drills (agent_tasks.copy_drill), shuffled together, in `path`."""
+    import random
+
+    from megatron_ext.env.agent_tasks import copy_drill
+
+    rng = random.Random(f"copy-drills:{seed}")
+    records = [json.loads(line) for line in open(sft_path) if line.strip()]
+    records += [{"id": f"drill-{k}", **copy_drill(rng, lines)} for k in range(drills)]
+    rng.shuffle(records)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(tmp, path)
     return path
 
@@ -426,6 +463,10 @@ def main(argv=None):
                    help="SFT on N copies of each oracle conversation whose module, package and function names are "
                         "drawn afresh from the generator's pools (DIR/sft_renamed_xN.jsonl; the tokenizer still sees "
                         "DIR/sft.jsonl); 0: the conversations as played")
+    p.add_argument("--sft-copy-drills", type=int, default=0, metavar="N",
+                   help="mix N copy drills into SFT (DIR/sft_drills_xN.jsonl): short conversations in which the "
+                        "assistant writes back paths, function names and code lines the user lists, the copying "
+                        "an episode needs, packed densely (agent_tasks.copy_drill)")
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
@@ -530,6 +571,14 @@ def main(argv=None):
         phases("sft_renamed", lambda: os.path.exists(sft_input),
                lambda: renamed_conversations(sft_data, a.sft_renamed_copies, a.seed, sft_input),
                settings=dict(copies=a.sft_renamed_copies, **seed), after=["sft_data"], outputs=[sft_input])
+    if a.sft_copy_drills:
+        source, sft_input = sft_input, os.path.join(out, f"sft_drills_x{a.sft_copy_drills}.jsonl")
+        set_aside_if_stale([sft_input], sft_input, [source])
+        phases("sft_drills", lambda: os.path.exists(sft_input), lambda: with_copy_drills(
+            source, a.sft_copy_drills, a.seed, code_lines([code_corpus] if code_corpus else [sft_data]), sft_input),
+            settings=dict(drills=a.sft_copy_drills, **seed), after=["tasks", "sft_data", sft_source],
+            outputs=[sft_input])
+        sft_source = "sft_drills"
     set_aside_if_stale([sft_ckpt], saved_marker(sft_ckpt),
                        [sft_input] + ([saved_marker(pretrain_ckpt)] if code_corpus else []))
     phases("sft", done(sft_ckpt, a.sft_iters), lambda: run(

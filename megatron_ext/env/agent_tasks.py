@@ -31,7 +31,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatron_ext.env.grading import GUARDED_MODULES
 
@@ -571,3 +571,25 @@ def write_family(out: str, family: dict[str, list[AgentTask]]) -> dict:
             sizes["instruction"].append(len(task.instruction))
         _write(os.path.join(out, f"{split}.jsonl"), "".join(lines))
     return sizes
+
+
+def copy_drill(rng: random.Random, code_lines: Sequence[str], items: tuple[int, int] = (2, 5)) -> dict:
+    """A short conversation that trains the one skill an episode of this family cannot do without, copying from
+    the context: the user lists a few items, the assistant writes them back verbatim. The items are what episodes
+    copy: file paths (`PKG/SUB/MOD.py`) and function names drawn from the generator's pools, and code lines (give
+    lines of training-split programs only, so no held-out program is seen). An episode copies about 40 tokens (a
+    path into read_file, a line into edit_file, a name into finish) in ~1000; packed SFT rows of drills hold ~15
+    times as many copied tokens."""
+    def item() -> str:
+        r = rng.random()
+        if r < 0.35:
+            parts = [rng.choice(PACKAGES)] if r > 0.1 else []
+            parts += [rng.choice(SUBPACKAGES)] if r > 0.25 else []
+            return "/".join(parts + [rng.choice(_MODULES) + ".py"])
+        if r < 0.5 or not code_lines:
+            return rng.choice(_FUNCTIONS)
+        return rng.choice(code_lines)
+
+    body = "\n".join(item() for _ in range(rng.randint(*items)))
+    return {"messages": [{"role": "user", "content": "Write back exactly:\n" + body},
+                         {"role": "assistant", "content": body}]}

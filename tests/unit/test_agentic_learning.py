@@ -173,6 +173,50 @@ def test_sft_renamed_copies_are_seeded_and_rename_every_conversation(tmp_path):
     assert open(again).read() == open(path).read()  # seeded
 
 
+def test_copy_drills_write_back_what_the_user_listed_and_mix_with_the_sft_data(tmp_path):
+    """--sft-copy-drills N: N short conversations whose assistant turn is the user's items verbatim (paths and
+    function names from the generator's pools, code lines of the given training programs, read_file's line numbers
+    stripped), shuffled in with the SFT conversations, seeded; the chat renderer takes them."""
+    from megatron_ext.data.sft import render_chat
+    from megatron_ext.env import agent_tasks
+    from tests.unit.test_agent_sft import _tokenizer
+
+    bench = _benchmark()
+    sft = tmp_path / "sft.jsonl"
+    read = {"role": "tool", "tool_call_id": "functions.read_file:0",
+            "content": "     1\tdef tune_bits(items):\n     2\t    items = [e for e in items if e < 8]\n"}
+    sft.write_text("".join(json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": "Fix it."}, read]})
+                           + "\n" for i in range(3)))
+    lines = bench.code_lines([str(sft)])
+    assert lines == ["def tune_bits(items):", "    items = [e for e in items if e < 8]"]
+    path = bench.with_copy_drills(str(sft), 200, 1, lines, str(tmp_path / "mixed.jsonl"))
+    records = [json.loads(line) for line in open(path)]
+    assert sorted(r["id"] for r in records if not r["id"].startswith("drill-")) == ["t0", "t1", "t2"]
+    drills = [r for r in records if r["id"].startswith("drill-")]
+    assert len(drills) == 200 and records[:3] != [json.loads(line) for line in open(sft)][:3]  # shuffled in
+    pools = set(agent_tasks._FUNCTIONS) | set(lines)
+    kinds = set()
+    for d in drills:
+        user, assistant = (m["content"] for m in d["messages"])
+        assert user == "Write back exactly:\n" + assistant
+        for item in assistant.split("\n"):
+            if item.endswith(".py"):
+                *dirs, module = item.split("/")
+                assert module[:-3] in agent_tasks._MODULES and len(dirs) <= 2
+                assert all(x in agent_tasks.PACKAGES + agent_tasks.SUBPACKAGES for x in dirs)
+                kinds.add("path")
+            else:
+                assert item in pools, item
+                kinds.add("line" if item in lines else "function")
+    assert kinds == {"path", "function", "line"}
+    assert open(bench.with_copy_drills(str(sft), 200, 1, lines, str(tmp_path / "again.jsonl"))).read() == \
+        open(path).read()  # seeded
+    tokenizer = _tokenizer(tmp_path)
+    rendered = render_chat(tokenizer, drills[0]["messages"])  # the loss falls on the written-back items
+    trained = [t for t, m in zip(rendered.ids, rendered.loss_mask) if m]
+    assert tokenizer.detokenize(trained).startswith(drills[0]["messages"][1]["content"])
+
+
 def _pipeline(bench, out, lr, seed=1, fail=None):
     """Three phases as the benchmark chains them: tasks (its --seed), SFT (--sft-lr, reads tasks), RL (reads
     SFT); each writes a file naming the settings it was made with. Returns the phases whose body ran."""
