@@ -220,11 +220,7 @@ def renamed_conversations(sft_path: str, copies: int, seed: int, path: str) -> s
             renamed, _ = rename_identifiers(record, rng)
             out.append({**renamed, "id": f"{record.get('id', 'sft')}-renamed-{copy}"})
     rng.shuffle(out)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in out)
-    os.replace(tmp, path)
-    return path
+    return write_jsonl(out, path)
 
 
 def code_lines(paths: list[str], limit: int = 200_000) -> list[str]:
@@ -256,6 +252,11 @@ def with_copy_drills(sft_path: str, drills: int, seed: int, lines: list[str], pa
     records = [json.loads(line) for line in open(sft_path) if line.strip()]
     records += [{"id": f"drill-{k}", **copy_drill(rng, lines)} for k in range(drills)]
     rng.shuffle(records)
+    return write_jsonl(records, path)
+
+
+def write_jsonl(records: list[dict], path: str) -> str:
+    """`records` as `path`, whole or not at all (a phase's output is its existence)."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
