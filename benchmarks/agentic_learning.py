@@ -23,8 +23,9 @@ again; DIR is --out):
                 (DIR/sft_renamed_xN.jsonl) instead, so that names can only be copied, not recalled
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
-  7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at T=1;
-                DIR/eval/sft, DIR/eval/rl), then --compare (DIR/eval/compare)
+  7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at
+                --temperature, 1 by default, as RL samples; DIR/eval/sft, DIR/eval/rl), then --compare
+                (DIR/eval/compare)
   8. turns      benchmarks/agent_turns.py for both checkpoints on the held-out tasks' oracle conversations
                 (DIR/heldout_oracle.jsonl): per tool, the turns the model would write verbatim under teacher forcing
                 (which step fails: the path it must copy, the code, the call's format)
@@ -478,6 +479,12 @@ def main(argv=None):
     p.add_argument("--kl-beta", type=float, default=0.001)
     p.add_argument("--max-response-length", type=int, default=384, help="model tokens per episode")
     p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--env-reward-weight", action="append", default=[], metavar="NAME=VALUE",
+                   help="an RL reward weight other than the environment's default (repeatable; rl_composer.py "
+                        "--env-reward-weight), e.g. tests_fraction=0.5: partial credit for the hidden tests an "
+                        "attempt passes")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of RL's rollouts (--rl-temperature) and of the evaluation")
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
@@ -606,12 +613,13 @@ def main(argv=None):
                     "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
                     "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
-                    "--rl-max-turns", a.max_turns, "--log-interval", 1, "--seed", a.seed],
+                    "--rl-max-turns", a.max_turns, "--rl-temperature", a.temperature, "--log-interval", 1,
+                    *[f"--env-reward-weight={w}" for w in a.env_reward_weight], "--seed", a.seed],
         log("rl")), after=["tasks", "sft"], outputs=[rl_ckpt, rl_logs],
         settings=dict(env=a.rl_env, async_flags=async_flags, iters=a.rl_iters, lr=a.rl_lr, kl_beta=a.kl_beta,
                       group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
-                      **seed))
+                      temperature=a.temperature, reward_weights=sorted(a.env_reward_weight), **seed))
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
@@ -620,9 +628,10 @@ def main(argv=None):
                lambda ckpt=ckpt, run_dir=run_dir: run(
             py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
                   "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
-                  "--temperature", 1.0, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
+                  "--temperature", a.temperature, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
                   "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")),
-            settings=dict(passes=a.passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns),
+            settings=dict(passes=a.passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns,
+                          temperature=a.temperature),
             after=["tasks", "tokenizer", name], outputs=[run_dir])
     heldout_oracle = os.path.join(out, "heldout_oracle.jsonl")
     phases("heldout_oracle", lambda: os.path.exists(heldout_oracle), lambda: run(
@@ -664,7 +673,7 @@ def main(argv=None):
         plot(a.plot, metrics, curve, a.passes,
              f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
              f"SFT on {a.sft_tasks} oracle episodes, GRPO on {a.rl_tasks} tasks x "
-             f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T=1")
+             f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}")
         print(f"plot: {a.plot}")
     return 0
 

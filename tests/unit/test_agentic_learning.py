@@ -6,6 +6,7 @@ helpers that make a re-run resume."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ def test_agentic_learning_smoke(tmp_path):
     out = tmp_path / "agentic"
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/agentic_learning.py", "--out", str(out),
-                           "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--smoke", "--temperature", "0.9", "--env-reward-weight", "tests_fraction=0.5"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     settings = summary["settings"]
@@ -30,7 +32,11 @@ def test_agentic_learning_smoke(tmp_path):
                  for t in m.get("tool_calls") or []]
         assert calls[-1] == "finish" and "edit_file" in calls
 
-    # RL: every RL task trained once, G episodes each, the environment's reward parts logged per step
+    # RL: every RL task trained once, G episodes each, the environment's reward parts logged per step; the sampling
+    # temperature and reward weights asked for reach the RL run
+    rl_log = (out / "logs" / "rl.log").read_text()
+    assert re.search(r"rl_temperature \.+ 0\.9\n", rl_log) and "['tests_fraction=0.5']" in rl_log
+    assert settings["temperature"] == 0.9
     groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
     rl_ids = [json.loads(line)["id"] for line in (out / "tasks" / "rl.jsonl").read_text().splitlines()]
     assert sorted(g["prompt_id"] for g in groups) == sorted(rl_ids)
