@@ -12,7 +12,9 @@ The contract (docs/grading.md says it for task authors):
   ``metadata.pass_to_pass`` when it has them (mining stores both), else the ids collected once on the task's
   untouched repository with the hidden tests laid over (skip-marked tests left out), cached by the content of the
   repository, hidden tests and command. A missing id, a crash, a timeout or no report is wrong.
-  ``tests_fraction`` = expected ids passed / expected ids; never read from printed output.
+  ``tests_fraction`` (partial credit): with ``fail_to_pass`` known, the share of those ids passing times the share
+  of the other expected ids still passing (an edit that fixes nothing earns 0, however many tests already passed);
+  else expected ids passed / expected ids; never read from printed output.
 * Any other test command keeps exit-code grading (0 = correct; tests_fraction = correctness). It is weaker: the
   agent's code decides the exit code, so anything that exits 0 passes.
 
@@ -243,6 +245,7 @@ class Expected:
     files: list = field(default_factory=list)   # test files that did not collect on the untouched repository:
     #                                             every test reported from them must pass, and at least one
     source: str = "metadata"                    # "metadata" | "collected"
+    fail_to_pass: list = field(default_factory=list)  # of `ids`, those the untouched repository fails (metadata)
 
     def to_json(self) -> dict:
         return {"ids": self.ids, "files": self.files, "source": self.source}
@@ -255,7 +258,7 @@ class GradingError(RuntimeError):
 def from_metadata(metadata: dict) -> Optional[Expected]:
     f2p, p2p = metadata.get("fail_to_pass"), metadata.get("pass_to_pass") or []
     if isinstance(f2p, list) and f2p and all(isinstance(t, str) for t in f2p + list(p2p)):
-        return Expected(sorted(set(f2p) | set(p2p)))
+        return Expected(sorted(set(f2p) | set(p2p)), fail_to_pass=sorted(set(f2p)))
     return None
 
 
@@ -327,6 +330,22 @@ def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_di
     return expected
 
 
+def progress(ids: list, passed: list, expected: Expected) -> float:
+    """The partial credit `tests_fraction`. When the task says which tests its untouched repository fails
+    (fail_to_pass), the share of those that pass now, times the share of the other expected tests still passing:
+    tests that already passed are no credit for an edit that fixes nothing (any change would have collected them),
+    and breaking them costs. Else (ids collected, with no record of which passed before) expected ids passed /
+    expected ids."""
+    if not ids:
+        return 0.0
+    done = set(passed)
+    must = [t for t in ids if t in set(expected.fail_to_pass)]
+    if not must:
+        return len(done) / len(ids)
+    kept = [t for t in ids if t not in set(must)]
+    return sum(t in done for t in must) / len(must) * (sum(t in done for t in kept) / len(kept) if kept else 1.0)
+
+
 def evaluate(report: Optional[dict], expected: Expected) -> dict:
     """correct, tests_fraction and the ids by outcome, from a runner report (None: nothing ran: wrong)."""
     outcomes = report["outcomes"] if report else {}
@@ -336,6 +355,5 @@ def evaluate(report: Optional[dict], expected: Expected) -> dict:
     passed = [t for t in ids if outcomes.get(t) in PASSED]
     missing = [t for t in ids if t not in outcomes]
     failed = [t for t in ids if t in outcomes and outcomes[t] not in PASSED]
-    return {"correct": bool(ids) and len(passed) == len(ids),
-            "tests_fraction": len(passed) / len(ids) if ids else 0.0,
+    return {"correct": bool(ids) and len(passed) == len(ids), "tests_fraction": progress(ids, passed, expected),
             "expected": ids, "passed": passed, "failed": failed, "missing": missing}

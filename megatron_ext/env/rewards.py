@@ -3,9 +3,11 @@
 Parts (raw values; the weights turn penalties negative):
 
 * ``correctness``: 1 when every expected hidden test passed (grading.py: by test ids for pytest commands, by exit
-  code otherwise), else 0; ``tests_fraction``: the fraction of expected tests that passed, from per-test
-  outcomes (never from printed output; equal to correctness under exit-code grading), paid only to an episode
-  that changed something (tests the untouched repository already passes are no reward for doing nothing);
+  code otherwise), else 0; ``tests_fraction``: partial credit from per-test outcomes (never from printed output;
+  equal to correctness under exit-code grading): the share of the task's fail_to_pass tests that pass, times the
+  share of its other tests still passing (grading.progress; without fail_to_pass, the share of expected tests
+  passing), paid only to an episode that changed something. Tests the untouched repository already passes are no
+  reward, neither for doing nothing nor for a change that fixes nothing;
 * ``style``: ruff diagnostics the change introduced on changed lines (a count of Python files, capped at
   STYLE_CAP), scored for correct episodes only: it ranks solutions, and must not make a wrong attempt score
   below doing nothing (the dodge below);
@@ -13,7 +15,8 @@ Parts (raw values; the weights turn penalties negative):
   ``concise_words`` words), says what changed (names a changed file or uses a change verb) and how it was
   checked (names a test/run/check). It measures the form of the message, not its truth, so it is paid only when
   the episode changed a file (outside the forbidden ones) and any claim of passing tests in its message is backed
-  by its own last test run (a claim after a failing run, or without any test run, earns 0). An LLM judge can replace it: `set_communication_judge` (off by default);
+  by its own last test run (a claim after a failing run, or without any test run, earns 0). An LLM judge can
+  replace it: `set_communication_judge` (off by default);
 * penalties (counts): ``invalid_calls``, ``unfinished_todos``, ``repeated_calls`` (a call identical in name and
   arguments to an earlier one), ``forbidden_edits`` (files the task forbids that the agent changed);
 * ``length``: the concave length penalty C(x) = ((1 + kx)^(1-q) - 1) / (k(1-q)) (log(1 + kx)/k at q = 1) over

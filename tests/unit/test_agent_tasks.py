@@ -175,8 +175,9 @@ def test_oracle_scores_one_doing_nothing_and_a_wrong_edit_score_zero(family, tas
     assert sorted(idle.grading["failed"]) == sorted(f2p) and idle.grading["passed"] == p2p
 
     _, wrong = _episode(family, task_id, _wrong(task, oracle))
-    assert wrong.reward["correctness"] == 0.0 and wrong.reward["tests_fraction"] == pytest.approx(
-        len(p2p) / len(f2p + p2p))
+    # the tests it left passing passed before it: no partial credit for an edit that fixes nothing (it was
+    # p2p / (f2p + p2p), which any change collected)
+    assert wrong.reward["correctness"] == 0.0 and wrong.reward["tests_fraction"] == 0.0 and p2p
     assert sorted(wrong.grading["failed"]) == sorted(f2p) and wrong.grading["forbidden_edits"] == []
     assert wrong.reward["communication"] == 0.0  # it claims passing tests its own last test run failed
     assert wrong.reward["total"] < good.reward["total"]

@@ -347,3 +347,23 @@ def test_order_of_totals_on_the_demo_task(tmp_path, tasks):
     total["stalling"] = run_episode(task, Staller(), config).reward["total"]
     assert total["correct"] > total["wrong"] >= total["noop"] >= total["broken"], total
     assert total["noop"] >= total["stalling"] and total["noop"] <= 0, total
+
+
+def test_partial_credit_counts_the_tests_a_change_made_pass():
+    """tests_fraction with fail_to_pass known: an edit that fixes nothing earns 0 however many tests passed
+    before (it used to earn pass_to_pass / expected: any change collected it, a reward RL would learn to farm); half
+    the failing tests fixed earns half; breaking a test that passed before costs its share."""
+    from megatron_ext.env.grading import from_metadata
+
+    expected = from_metadata({"fail_to_pass": ["t.py::a", "t.py::b"], "pass_to_pass": ["t.py::c", "t.py::d"]})
+    assert expected.ids == ["t.py::a", "t.py::b", "t.py::c", "t.py::d"] and expected.fail_to_pass == ["t.py::a",
+                                                                                                      "t.py::b"]
+    outcome = lambda passed: {"outcomes": {t: "passed" if t[-1] in passed else "failed"  # noqa: E731
+                                           for t in expected.ids}}
+    assert evaluate(outcome("cd"), expected)["tests_fraction"] == 0.0  # nothing fixed
+    assert evaluate(outcome("acd"), expected)["tests_fraction"] == 0.5
+    assert evaluate(outcome("ac"), expected)["tests_fraction"] == 0.25  # one fixed, one broken
+    assert evaluate(outcome("abcd"), expected) == {"correct": True, "tests_fraction": 1.0, "expected": expected.ids,
+                                                  "passed": expected.ids, "failed": [], "missing": []}
+    # ids collected on the untouched repository (no record of which passed before): the share passing, as before
+    assert evaluate(outcome("cd"), Expected(expected.ids, source="collected"))["tests_fraction"] == 0.5
