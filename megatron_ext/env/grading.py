@@ -338,11 +338,11 @@ def progress(ids: list, passed: list, expected: Expected) -> float:
     expected ids."""
     if not ids:
         return 0.0
-    done = set(passed)
-    must = [t for t in ids if t in set(expected.fail_to_pass)]
+    done, failing = set(passed), set(expected.fail_to_pass)
+    must = [t for t in ids if t in failing]
     if not must:
         return len(done) / len(ids)
-    kept = [t for t in ids if t not in set(must)]
+    kept = [t for t in ids if t not in failing]
     return sum(t in done for t in must) / len(must) * (sum(t in done for t in kept) / len(kept) if kept else 1.0)
 
 
