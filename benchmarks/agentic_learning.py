@@ -432,11 +432,20 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
+# --smoke: the pipeline at its smallest (every phase runs, nothing is expected to learn); these are its defaults,
+# and a flag given on the command line still wins
+SMOKE = dict(sft_tasks=20, rl_tasks=4, heldout=3, sft_iters=3, passes=1, corpus_tasks=100, pretrain_iters=2,
+             pretrain_batch=4, group_size=2, prompts_per_step=2, ranks=1, max_turns=3, max_response_length=96,
+             eval_max_tokens=48)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/agentic")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--smoke", action="store_true", help="a few tasks and steps: checks the pipeline, not learning")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few tasks and steps: checks the pipeline, not learning (sizes: " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + "; flags given still apply)")
     p.add_argument("--sft-tasks", type=int, default=400, help="train tasks whose oracle trajectories SFT learns")
     p.add_argument("--rl-tasks", type=int, default=48, help="train tasks RL sees (each once; disjoint from SFT's)")
     p.add_argument("--heldout", type=int, default=40, help="held-out tasks evaluated")
@@ -495,14 +504,19 @@ def main(argv=None):
     p.add_argument("--rl-env", default="coding", choices=("coding", "swarm"),
                    help="swarm: RL as an orchestrator with sub-agents (the --swarm-* defaults; the SFT stays "
                         "single-agent)")
-    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "agentic_learning.png"))
+    p.add_argument("--plot", default=None, help="the figure (default: docs/agentic_learning.png; with --smoke: "
+                                                "DIR/agentic_learning.png)")
+    if p.parse_known_args(argv)[0].smoke:
+        p.set_defaults(**SMOKE)
     a = p.parse_args(argv)
-    if a.smoke:  # the pipeline at its smallest: every phase runs, nothing is expected to learn
-        a.sft_tasks, a.rl_tasks, a.heldout, a.sft_iters, a.passes = 20, 4, 3, 3, 1
-        a.corpus_tasks, a.pretrain_iters, a.pretrain_batch = 100, min(a.pretrain_iters, 2), 4
-        a.group_size, a.prompts_per_step, a.ranks, a.max_turns = 2, 2, 1, 3
-        a.max_response_length, a.eval_max_tokens = 96, 48
-        a.plot = os.path.join(a.out, "agentic_learning.png")
+    if a.plot is None:
+        a.plot = os.path.join(a.out, "agentic_learning.png") if a.smoke else os.path.join(ROOT, "docs",
+                                                                                          "agentic_learning.png")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     if a.rl_iters is None:
         a.rl_iters = a.rl_tasks // a.prompts_per_step
     out = os.path.abspath(a.out)

@@ -83,6 +83,19 @@ def _benchmark():
     return load_tool("agentic_learning", "benchmarks")
 
 
+def test_smoke_sizes_are_defaults_that_flags_given_still_override(tmp_path):
+    bench = _benchmark()
+    smoke = bench.parse_args(["--out", str(tmp_path), "--smoke"])
+    assert (smoke.eval_max_tokens, smoke.sft_tasks, smoke.ranks) == (48, 20, 1)
+    assert smoke.plot == os.path.join(str(tmp_path), "agentic_learning.png")
+    given = bench.parse_args(["--out", str(tmp_path), "--smoke", "--eval-max-tokens", "64", "--sft-tasks", "7",
+                              "--plot", str(tmp_path / "p.png")])
+    assert (given.eval_max_tokens, given.sft_tasks, given.ranks) == (64, 7, 1) and given.plot.endswith("p.png")
+    full = bench.parse_args(["--out", str(tmp_path)])
+    assert (full.eval_max_tokens, full.sft_tasks, full.ranks) == (160, 400, 2)
+    assert full.plot.endswith(os.path.join("docs", "agentic_learning.png"))
+
+
 def _fake_save(root, iteration):
     os.makedirs(os.path.join(root, f"iter_{iteration:07d}"), exist_ok=True)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
