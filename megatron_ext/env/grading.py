@@ -9,12 +9,14 @@ The contract (docs/grading.md says it for task authors):
   ``-p no:cacheprovider``, plugin autoload off, and the task's own ARGS. The runner records each test's outcome
   from pytest's reports into a report folder made fresh on the host for this run.
 * Correct = every expected test id passed (or xfailed). Expected ids: the task's ``metadata.fail_to_pass`` plus
-  ``metadata.pass_to_pass`` when it has them (mining stores both), else the ids collected once on the task's
-  untouched repository with the hidden tests laid over (skip-marked tests left out), cached by the content of the
+  ``metadata.pass_to_pass`` when it has them (mining stores both), else the ids of one trusted run of the tests on
+  the task's untouched repository with the hidden tests laid over (skip-marked tests left out): those it failed,
+  and the tests of files that did not collect, are the task's fail-to-pass. Cached by the content of the
   repository, hidden tests and command. A missing id, a crash, a timeout or no report is wrong.
-  ``tests_fraction`` (partial credit): with ``fail_to_pass`` known, the share of those ids passing times the share
+  ``tests_fraction`` (partial credit): with fail-to-pass known, the share of those ids passing times the share
   of the other expected ids still passing (an edit that fixes nothing earns 0, however many tests already passed);
-  else expected ids passed / expected ids; never read from printed output.
+  else (every expected test passed on the untouched repository, or its run did not finish and the ids come from
+  a collection only) expected ids passed / expected ids; never read from printed output.
 * Any other test command keeps exit-code grading (0 = correct; tests_fraction = correctness). It is weaker: the
   agent's code decides the exit code, so anything that exits 0 passes.
 
@@ -43,7 +45,7 @@ from typing import Optional
 from megatron_ext.env.sandbox import WORKDIR, BubblewrapConfig, BubblewrapSandbox
 from megatron_ext.env.workspace import overlay
 
-GRADER_VERSION = 1
+GRADER_VERSION = 2  # 2: collected ids carry their untouched repository's failures (fail_to_pass)
 GRADER_MOUNT = "/grading"            # the runner and our pytest.ini, read-only
 REPORT_MOUNT = "/grading-report"     # the fresh report folder, writable during the grading run only
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grading_runner.py")
@@ -245,10 +247,10 @@ class Expected:
     files: list = field(default_factory=list)   # test files that did not collect on the untouched repository:
     #                                             every test reported from them must pass, and at least one
     source: str = "metadata"                    # "metadata" | "collected"
-    fail_to_pass: list = field(default_factory=list)  # of `ids`, those the untouched repository fails (metadata)
+    fail_to_pass: list = field(default_factory=list)  # of `ids`, those the untouched repository fails
 
     def to_json(self) -> dict:
-        return {"ids": self.ids, "files": self.files, "source": self.source}
+        return {"ids": self.ids, "files": self.files, "source": self.source, "fail_to_pass": self.fail_to_pass}
 
 
 class GradingError(RuntimeError):
@@ -294,9 +296,23 @@ def cache_key(task) -> str:
 _MEMORY: dict[str, Expected] = {}
 
 
+def _untouched_run(task, cmd: PytestCommand, sandbox: BubblewrapConfig, mode: str, timeout_s: float):
+    """(report or None, why, output) of the runner in `mode` on the task's untouched repository, hidden tests laid
+    over as the graded run lays them (modes the sandbox can read)."""
+    with BubblewrapSandbox(task.repo, sandbox) as box:
+        run = GradingRun(box)
+        if task.hidden_tests:
+            overlay(task.hidden_tests, box.workspace)
+        r = box.exec(runner_command(cmd, mode), timeout_s=timeout_s)
+        report, why = run.report() if r.killed is None else (None, f"killed ({r.killed})")
+    return report, why, r.output
+
+
 def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_dir: Optional[str],
                    timeout_s: float) -> Expected:
-    """The task's expected ids (metadata), else the trusted collection's, cached in memory and under cache_dir."""
+    """The task's expected ids (metadata), else those of a trusted run on the untouched repository, with the ones
+    it failed as fail_to_pass (where that run does not finish, a collection's ids without them); cached in memory
+    and under cache_dir."""
     found = from_metadata(task.metadata)
     if found is not None:
         return found
@@ -307,19 +323,19 @@ def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_di
     if path and os.path.isfile(path):
         with open(path) as f:
             record = json.load(f)
-        _MEMORY[key] = Expected(record["ids"], record["files"], "collected")
+        _MEMORY[key] = Expected(record["ids"], record["files"], "collected", record["fail_to_pass"])
         return _MEMORY[key]
-    with BubblewrapSandbox(task.repo, sandbox) as box:
-        run = GradingRun(box)
-        if task.hidden_tests:
-            overlay(task.hidden_tests, box.workspace)  # as the graded run lays them (modes the sandbox can read)
-        r = box.exec(runner_command(cmd, "collect"), timeout_s=timeout_s)
-        report, why = run.report()
+    report, why, output = _untouched_run(task, cmd, sandbox, "baseline", timeout_s)
+    baseline = report is not None
+    if not baseline:  # the untouched code hangs or crashes the run: which tests fail before stays unknown
+        report, why, output = _untouched_run(task, cmd, sandbox, "collect", timeout_s)
     if report is None or not (report["collected"] or report["collection_errors"]):
         raise GradingError(f"task {task.id}: its tests cannot be collected on its untouched repository "
-                           f"({why or 'no tests collected'}): {r.output[-2000:]}")
+                           f"({why or 'no tests collected'}): {output[-2000:]}")
     files = sorted({e.split("::")[0] for e in report["collection_errors"] if e})
-    expected = Expected(sorted(report["collected"]), files, "collected")
+    ids = sorted(report["collected"])
+    failing = [t for t in ids if report["outcomes"].get(t) not in PASSED] if baseline else []
+    expected = Expected(ids, files, "collected", failing)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -331,18 +347,19 @@ def expected_tests(task, cmd: PytestCommand, sandbox: BubblewrapConfig, cache_di
 
 
 def progress(ids: list, passed: list, expected: Expected) -> float:
-    """The partial credit `tests_fraction`. When the task says which tests its untouched repository fails
-    (fail_to_pass), the share of those that pass now, times the share of the other expected tests still passing:
-    tests that already passed are no credit for an edit that fixes nothing (any change would have collected them),
-    and breaking them costs. Else (ids collected, with no record of which passed before) expected ids passed /
-    expected ids."""
+    """The partial credit `tests_fraction`. When it is known which tests the untouched repository fails
+    (fail_to_pass: the task's metadata, or the baseline run's failures and the tests of files that did not collect
+    there), the share of those that pass now, times the share of the other expected tests still passing: tests
+    that already passed are no credit for an edit that fixes nothing (any change would have collected them), and
+    breaking them costs. Else (nothing failed before, or no baseline) expected ids passed / expected ids."""
     if not ids:
         return 0.0
-    done, failing = set(passed), set(expected.fail_to_pass)
-    must = [t for t in ids if t in failing]
+    done, failing, files = set(passed), set(expected.fail_to_pass), set(expected.files)
+    must = [t for t in ids if t in failing or t.split("::")[0] in files]  # a file that did not collect: failing
     if not must:
         return len(done) / len(ids)
-    kept = [t for t in ids if t not in failing]
+    owed = set(must)
+    kept = [t for t in ids if t not in owed]
     return sum(t in done for t in must) / len(must) * (sum(t in done for t in kept) / len(kept) if kept else 1.0)
 
 

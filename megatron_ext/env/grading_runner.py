@@ -7,7 +7,10 @@ the way ``python -m pytest`` would have put it first. Results go to a report fol
 this one run: the agent never saw it, and every report carries a nonce the runner reads (and deletes) before any
 of the agent's code is imported.
 
-    python -I runner.py REPORT_DIR MODE(run|collect) WORKSPACE PATH_ENTRIES(':'-separated) -- PYTEST ARGS
+    python -I runner.py REPORT_DIR MODE(run|collect|baseline) WORKSPACE PATH_ENTRIES(':'-separated) -- PYTEST ARGS
+
+collect lists the tests (leaving out those their own skip marks skip), baseline runs them and lists them the same
+way (the untouched repository's outcomes: which expected tests fail before any change), run runs them.
 """
 
 import json
@@ -73,7 +76,9 @@ def main() -> int:
         sys.path.insert(0, path)
     if paths[1:]:  # for subprocesses the tests start, as the task command gave it
         os.environ["PYTHONPATH"] = ":".join(paths[1:])
-    recorder = Recorder(collect=mode == "collect")
+    if mode not in ("run", "collect", "baseline"):
+        raise SystemExit(f"unknown mode {mode!r}")
+    recorder = Recorder(collect=mode != "run")
     code = pytest.main(args + (["--collect-only"] if mode == "collect" else []), plugins=[recorder])
     report = {"nonce": nonce, "exit_code": int(code), "outcomes": recorder.outcomes,
               "collected": recorder.collected, "collection_errors": recorder.errors}

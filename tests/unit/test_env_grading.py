@@ -300,6 +300,25 @@ def test_test_file_that_does_not_collect_on_the_untouched_repository(tmp_path):
     assert len(os.listdir(tmp_path / "noop" / "expected")) == 1
 
 
+def test_untouched_code_that_hangs_still_gets_its_expected_ids(tmp_path):
+    """The untouched repository's tests never finish (the bug is an endless loop): the trusted run is killed at the
+    task's timeout, the ids come from a collection instead (which tests fail before is then unknown), and the
+    task is still graded."""
+    task = dataclasses.replace(load_task(make_task(str(tmp_path / "task"))), timeout_s=4)
+    with open(os.path.join(task.repo, CALC_FILE)) as f:
+        source = f.read()
+    with open(os.path.join(task.repo, CALC_FILE), "w") as f:
+        f.write(source.replace(STUB_BODY, "    while True:\n        pass\n"))
+    with open(os.path.join(task.hidden_tests, "tests_hidden", "test_add.py"), "w") as f:
+        f.write(CALC_TESTS)
+    fixed = _episode(tmp_path / "fixed", task, [_write(CALC_FILE, "def add(a, b):\n    return a + b\n")],
+                     "Rewrote add in calc/__init__.py.")
+    assert fixed.reward["correctness"] == 1.0 and sorted(fixed.grading["expected"]) == EXPECTED["calc"]
+    (cached,) = os.listdir(tmp_path / "fixed" / "expected")
+    with open(tmp_path / "fixed" / "expected" / cached) as f:
+        assert json.load(f)["fail_to_pass"] == []
+
+
 def test_package_cannot_rewrite_hidden_tests_during_the_run(tmp_path):
     """The package under test, imported by the first hidden test file, rewrites the second one before pytest
     collects it: the hidden tests are bound read-only for the grading run, so the write fails."""
@@ -365,5 +384,37 @@ def test_partial_credit_counts_the_tests_a_change_made_pass():
     assert evaluate(outcome("ac"), expected)["tests_fraction"] == 0.25  # one fixed, one broken
     assert evaluate(outcome("abcd"), expected) == {"correct": True, "tests_fraction": 1.0, "expected": expected.ids,
                                                   "passed": expected.ids, "failed": [], "missing": []}
-    # ids collected on the untouched repository (no record of which passed before): the share passing, as before
+    # no record of which passed before (the untouched repository's run did not finish): the share passing
     assert evaluate(outcome("cd"), Expected(expected.ids, source="collected"))["tests_fraction"] == 0.5
+    # a test file that did not collect on the untouched repository: its tests are failing ones
+    files = Expected(["t.py::c"], files=["n.py"], source="collected", fail_to_pass=[])
+    tests = {"outcomes": {"t.py::c": "passed", "n.py::x": "failed", "n.py::y": "passed"}}
+    assert evaluate(tests, files)["tests_fraction"] == 0.5
+
+
+def test_partial_credit_without_metadata_counts_only_what_the_untouched_repository_failed(tmp_path):
+    """A task without fail_to_pass whose untouched repository already passes two of its three hidden tests: the
+    grader's trusted run there (cached) records the one it fails, so an edit that changes nothing earns no partial
+    credit (it earned 2/3: a reward an RL policy would farm); fixing it earns 1, breaking a passing test costs."""
+    task = load_task(make_task(str(tmp_path / "task")))
+    half = '    """Return a + b."""\n    return int(a) + int(b)\n'
+    with open(os.path.join(task.repo, CALC_FILE)) as f:
+        source = f.read()
+    with open(os.path.join(task.repo, CALC_FILE), "w") as f:
+        f.write(source.replace(STUB_BODY, half))
+    with open(os.path.join(task.hidden_tests, "tests_hidden", "test_add.py"), "w") as f:
+        f.write(CALC_TESTS)
+    comment = [_prepend(CALC_FILE, "# checked")]
+    noop = _episode(tmp_path / "noop", task, comment, "Looked at calc/__init__.py.")
+    assert noop.grading["expected_source"] == "collected" and sorted(noop.grading["expected"]) == EXPECTED["calc"]
+    assert len(noop.grading["passed"]) == 2 and noop.reward["tests_fraction"] == 0.0, noop.grading
+    cached = os.listdir(tmp_path / "noop" / "expected")
+    with open(tmp_path / "noop" / "expected" / cached[0]) as f:
+        assert json.load(f)["fail_to_pass"] == ["tests_hidden/test_add.py::test_strings"]
+    fix = [{"name": "edit_file", "arguments": {"path": CALC_FILE, "old_text": half, "new_text": CALC_FIX}}]
+    fixed = _episode(tmp_path / "fixed", task, fix, "Fixed add in calc/__init__.py.")
+    assert fixed.reward["correctness"] == 1.0 and fixed.reward["tests_fraction"] == 1.0
+    swap = '    """Return a + b."""\n    return a + b if isinstance(a, str) else a - b\n'
+    broke = _episode(tmp_path / "broke", task, [{"name": "edit_file", "arguments": {
+        "path": CALC_FILE, "old_text": half, "new_text": swap}}], "Changed add in calc/__init__.py.")
+    assert broke.reward["correctness"] == 0.0 and broke.reward["tests_fraction"] == 0.0, broke.grading
