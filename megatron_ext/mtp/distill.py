@@ -151,6 +151,11 @@ def _record(name: str, value: torch.Tensor):
     _METRICS[name] = _METRICS.get(name, 0.0) + value.float()
 
 
+def clear_metrics():
+    """Forget the recorded values (a run's end: the next run in this process starts without them)."""
+    _METRICS.clear()
+
+
 def pop_metrics(num_microbatches: int) -> dict[str, float]:
     """Micro-batch means of the recorded values, averaged over data-parallel ranks; clears the record."""
     if not _METRICS:

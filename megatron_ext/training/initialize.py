@@ -52,6 +52,17 @@ def set_seed(seed: int):
 
 
 def destroy():
+    """Tear down the process groups and the process-global loss trackers a run fills, so that another run in the
+    same process (benchmarks, notebooks, tests) starts clean: Megatron-Core's MTP and MoE trackers keep losses that
+    no step logged (a training-mode forward outside a step) and the groups they reduce over."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_ext.mtp import distill
+
+    MTPLossLoggingHelper.tracker.clear()
+    get_moe_layer_wise_logging_tracker().clear()
+    distill.clear_metrics()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

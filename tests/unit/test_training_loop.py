@@ -217,3 +217,27 @@ def test_mtp_attach_adds_fresh_layers_to_a_checkpoint_without_them(tmp_path, cap
     assert code == 0  # the checkpoint it saved at iteration 5 now has MTP layers: a second attach is refused
     code, _ = run(tmp_path, "again", "--train-iters", "6", "--load", save, "--mtp-attach", keep)
     assert code == 1 and "already has 1 MTP layer" in capsys.readouterr().err
+
+
+def _first_step_losses(flags, leave_a_forward=False):
+    args = parse_args(flags, world_size=1)
+    initialize_distributed(args)
+    try:
+        model, optimizer = setup_model_and_optimizer(args)
+        losses = train_step(entry.forward_step, entry.train_data_iterator(args, 0), model, optimizer, args, 1)["losses"]
+        if leave_a_forward:  # a training-mode forward whose losses no step logs (a probe, an interrupted step)
+            entry.forward_step(entry.train_data_iterator(args, 1), model[0])
+        return losses
+    finally:
+        destroy()
+
+
+def test_a_run_does_not_inherit_the_loss_trackers_of_an_earlier_run_in_the_same_process():
+    """Megatron-Core's MTP and MoE loss trackers are process globals: a run that left them filled (and its process
+    groups in them) must not add its losses to the next run's first logged step (benchmarks, notebooks and tests
+    train several times in one process)."""
+    flags = TINY + ["--mtp-num-layers", "1"]
+    reference = _first_step_losses(flags, leave_a_forward=True)
+    again = _first_step_losses(flags)
+    assert {"lm loss", "mtp_1 loss", "seq_load_balancing_loss", "mtp_1 distill loss"} <= set(reference), reference
+    assert again == reference
