@@ -434,9 +434,9 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
 
 # --smoke: the pipeline at its smallest (every phase runs, nothing is expected to learn); these are its defaults,
 # and a flag given on the command line still wins
-SMOKE = dict(sft_tasks=20, rl_tasks=4, heldout=3, sft_iters=3, passes=1, corpus_tasks=100, pretrain_iters=2,
-             pretrain_batch=4, group_size=2, prompts_per_step=2, ranks=1, max_turns=3, max_response_length=96,
-             eval_max_tokens=48)
+SMOKE = dict(sft_tasks=12, rl_tasks=4, heldout=3, sft_iters=3, sft_batch=2, passes=1, corpus_tasks=100,
+             pretrain_iters=2, pretrain_batch=4, group_size=2, prompts_per_step=2, ranks=1, max_turns=3,
+             max_response_length=96, eval_max_tokens=48)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -86,7 +86,7 @@ def _benchmark():
 def test_smoke_sizes_are_defaults_that_flags_given_still_override(tmp_path):
     bench = _benchmark()
     smoke = bench.parse_args(["--out", str(tmp_path), "--smoke"])
-    assert (smoke.eval_max_tokens, smoke.sft_tasks, smoke.ranks) == (48, 20, 1)
+    assert (smoke.eval_max_tokens, smoke.sft_tasks, smoke.ranks) == (48, 12, 1)
     assert smoke.plot == os.path.join(str(tmp_path), "agentic_learning.png")
     given = bench.parse_args(["--out", str(tmp_path), "--smoke", "--eval-max-tokens", "64", "--sft-tasks", "7",
                               "--plot", str(tmp_path / "p.png")])

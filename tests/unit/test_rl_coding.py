@@ -212,6 +212,9 @@ def test_bad_coding_flags_fail_early_and_name_the_flag(tmp_path, tokenizer_dir, 
     assert code == 2 and message in capsys.readouterr().err
 
 
+# 26 s: `make test-all`. The default suite keeps its parts: mining a repository and playing its tasks
+# (test_env_mining.py), rl_composer.py --rl-env coding over generated tasks in the sandbox (test_agentic_learning.py)
+@pytest.mark.slow
 @pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
 def test_tiny_model_trains_over_mined_tasks_through_rl_composer(tmp_path, tokenizer_dir):
     from tests.unit.test_env_mining import _git_repo
