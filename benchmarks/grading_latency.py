@@ -1,6 +1,7 @@
 """What grading by test ids costs: the grading run's wall time (p50) for the demo task's oracle, graded by exit code
 (the test command as written, as before issue 23) and by test ids (the grader's runner), and the one-time trusted
-collection that lists the expected ids of a task without fail_to_pass.
+run on the untouched repository that lists the expected ids of a task without fail_to_pass and which of them fail
+there (a collection only, before grader version 2).
 
     python benchmarks/grading_latency.py [--episodes 8]
 """
@@ -33,7 +34,7 @@ def main():
         exit_code_task = dataclasses.replace(task, test_command=TEST_COMMAND + " && true")  # not a plain pytest command
         start = time.monotonic()
         grading.expected_tests(task, grading.parse_pytest_command(task.test_command), config.sandbox, None, 120)
-        collect_s = time.monotonic() - start
+        baseline_s = time.monotonic() - start
         modes = {"exit code (command as written)": exit_code_task, "test ids (grader's runner)": task}
         walls, totals = {name: [] for name in modes}, {name: [] for name in modes}
         for _ in range(args.episodes):  # interleaved, so machine load falls on both alike
@@ -45,7 +46,7 @@ def main():
                 assert r.reward["correctness"] == 1.0, r.grading
         rows = {name: (statistics.median(walls[name]) * 1000, statistics.median(totals[name]) * 1000)
                 for name in modes}
-    print(f"trusted collection (once per task, cached): {collect_s * 1000:.0f} ms")
+    print(f"trusted run on the untouched repository (once per task, cached): {baseline_s * 1000:.0f} ms")
     for name, (wall, total) in rows.items():
         print(f"{name}: grading run p50 {wall:.0f} ms, whole oracle episode p50 {total:.0f} ms "
               f"({args.episodes} episodes)")
