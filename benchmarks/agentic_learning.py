@@ -319,7 +319,32 @@ def first_reads(episodes: list, own: dict, trained: set) -> dict:
     return {k: v / max(len(episodes), 1) for k, v in where.items()}
 
 
-def eval_metrics(run_dir: str, passes: int, own_paths: dict, sft_paths: set) -> dict:
+def task_groups(tasks_file: str) -> dict:
+    """task id -> (program depth: its primitives, kind) from the generated tasks' metadata."""
+    out = {}
+    with open(tasks_file) as f:
+        for line in f:
+            if line.strip():
+                task = json.loads(line)
+                meta = task.get("metadata") or {}
+                shape = meta.get("program_shape")
+                out[task["id"]] = (len(shape.split("|")) if shape else "?", meta.get("kind", "?"))
+    return out
+
+
+def solved_by(outcomes: list, groups: dict) -> dict:
+    """{"depth": {D: {"episodes", "solved"}}, "kind": {...}} over (task id, solved) pairs: held-out success falls
+    with the number of primitives composed, which one mean hides."""
+    out = {"depth": {}, "kind": {}}
+    for task, solved in outcomes:
+        for axis, key in zip(("depth", "kind"), groups.get(task, ("?", "?"))):
+            cell = out[axis].setdefault(str(key), {"episodes": 0, "solved": 0})
+            cell["episodes"] += 1
+            cell["solved"] += int(solved)
+    return {axis: dict(sorted(cells.items())) for axis, cells in out.items()}
+
+
+def eval_metrics(run_dir: str, passes: int, own_paths: dict, sft_paths: set, groups: dict) -> dict:
     """What the issue asks per checkpoint, from run_eval's summary and episodes."""
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl")) if line.strip()]
@@ -353,7 +378,20 @@ def eval_metrics(run_dir: str, passes: int, own_paths: dict, sft_paths: set) -> 
             "output_tokens_per_episode": summary["efficiency"]["output_tokens"],
             "total_tokens_per_episode": summary["efficiency"]["total_tokens"],
             "forbidden_edits": sum(e["reward"].get("forbidden_edits", 0) for e in episodes),
+            "solved_by": solved_by([(e["task"], e["reward"].get("correctness", 0.0) >= 1.0) for e in episodes],
+                                   groups),
             "statuses": summary["statuses"]}
+
+
+def rl_solved_by(log_dir: str, groups: dict) -> dict:
+    """solved_by over RL's training episodes (an episode's reward parts are on its first sequence)."""
+    outcomes = []
+    with open(os.path.join(log_dir, "rollouts.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("sequence_index", 0) == 0:
+                outcomes.append((record["prompt_id"], (record.get("reward_parts") or {}).get("correctness", 0) >= 1))
+    return solved_by(outcomes, groups)
 
 
 def rl_curve(log_dir: str) -> list[dict]:
@@ -670,7 +708,8 @@ def main(argv=None):
     oracle_dir = os.path.join(tasks_dir, "oracle")
     own_paths = oracle_read_paths(heldout, oracle_dir)
     sft_paths = set(oracle_read_paths(os.path.join(tasks_dir, "sft.jsonl"), oracle_dir).values())
-    metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes, own_paths, sft_paths)
+    groups = task_groups(heldout)
+    metrics = {name: eval_metrics(os.path.join(eval_dir, name), a.passes, own_paths, sft_paths, groups)
                for name in ("sft", "rl")}
     for name in ("sft", "rl"):
         with open(os.path.join(eval_dir, name, "turns.json")) as f:
@@ -678,11 +717,12 @@ def main(argv=None):
                                                for tool, r in json.load(f)["per_tool"].items()}
     compared = json.load(open(os.path.join(compare_dir, "compare.json")))
     curve = rl_curve(rl_logs)
+    rl_solved = rl_solved_by(rl_logs, task_groups(os.path.join(tasks_dir, "rl.jsonl")))
     summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
-               "compare": compared, "rl_curve": curve, "wall_s": phases.seconds}
+               "compare": compared, "rl_curve": curve, "rl_solved_by": rl_solved, "wall_s": phases.seconds}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(markdown(metrics, compared, curve, phases.seconds, a.passes))
+    print(markdown(metrics, compared, curve, phases.seconds, a.passes, rl_solved))
     if a.plot:
         plot(a.plot, metrics, curve, a.passes,
              f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
@@ -692,7 +732,11 @@ def main(argv=None):
     return 0
 
 
-def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int) -> str:
+def solved_line(cells: dict) -> str:
+    return ", ".join(f"{key} {c['solved']}/{c['episodes']}" for key, c in cells.items())
+
+
+def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int, rl_solved: dict) -> str:
     fmt_ci = lambda v, ci: f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
     rows = ["| checkpoint | held-out success (mean of K, 95% Wilson) | pass@K (95% Wilson) | valid tool calls | "
             "tests run before finish | turns / episode | output tokens / episode | forbidden edits |",
@@ -707,6 +751,12 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
         r = m["first_read"]
         rows.append(f"first read_file of a {name} episode: the task's own module {r['own']:.2f}, a module of an SFT "
                     f"task {r['sft_task']:.2f}, elsewhere {r['other']:.2f}, no read {r['none']:.2f}")
+    rows.append("")
+    for name, m in metrics.items():
+        rows.append(f"held-out episodes solved by a {name} policy, by program depth: "
+                    f"{solved_line(m['solved_by']['depth'])}; by kind: {solved_line(m['solved_by']['kind'])}")
+    rows.append(f"RL's training episodes solved, by program depth: {solved_line(rl_solved['depth'])}; by kind: "
+                f"{solved_line(rl_solved['kind'])}")
     rows.append("")
     tools = sorted({t for m in metrics.values() for t in m.get("teacher_forced", {})})
     if tools:

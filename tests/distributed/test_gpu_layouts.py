@@ -24,7 +24,9 @@ def reference():
     return run_layout(BASE, world=1)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# full recompute (no flag file uses it; examples/kimi-k2.5 recompute selectively) runs in `make test-all`
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n == "recompute_full" else n
+                                    for n in sorted(LAYOUTS)])
 def test_matches_the_plain_single_rank_run(layout, reference):
     world, flags = LAYOUTS[layout]
     result = run_layout(BASE + flags, world=world)

@@ -52,6 +52,14 @@ def test_agentic_learning_smoke(tmp_path):
         records = [json.loads(line) for line in (out / "eval" / name / "episodes.jsonl").read_text().splitlines()]
         assert {r["task"] for r in records} == set(heldout)
         assert all("correctness" in r["reward"] for r in records)
+        # success split by the program's depth and the task's kind: every episode counted once on each axis
+        for axis in ("depth", "kind"):
+            cells = m["solved_by"][axis]
+            assert sum(c["episodes"] for c in cells.values()) == m["episodes"] and "?" not in cells, cells
+            assert sum(c["solved"] for c in cells.values()) == sum(r["reward"]["correctness"] >= 1 for r in records)
+    assert set(summary["heldout"]["sft"]["solved_by"]["depth"]) <= {"2", "3"}  # one primitive always trains
+    rl_depths = summary["rl_solved_by"]["depth"]
+    assert sum(c["episodes"] for c in rl_depths.values()) == len(groups) * settings["group_size"]
     pair = summary["compare"]["against_baseline"]["rl"]
     assert pair["shared_tasks"] == len(heldout) and 0.0 <= pair["p"] <= 1.0
     # the checkpoints carry the agent-prompt option they were trained with
@@ -94,6 +102,22 @@ def test_smoke_sizes_are_defaults_that_flags_given_still_override(tmp_path):
     full = bench.parse_args(["--out", str(tmp_path)])
     assert (full.eval_max_tokens, full.sft_tasks, full.ranks) == (160, 400, 2)
     assert full.plot.endswith(os.path.join("docs", "agentic_learning.png"))
+
+
+def test_solved_by_counts_each_episode_once_per_axis(tmp_path):
+    bench = _benchmark()
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("\n".join(json.dumps(t) for t in [
+        {"id": "a", "metadata": {"program_shape": "upper | reverse", "kind": "bugfix"}},
+        {"id": "b", "metadata": {"program_shape": "min | mod | add", "kind": "implement"}},
+        {"id": "c", "metadata": {}}]) + "\n")
+    groups = bench.task_groups(str(tasks))
+    assert groups == {"a": (2, "bugfix"), "b": (3, "implement"), "c": ("?", "?")}
+    cells = bench.solved_by([("a", True), ("a", False), ("b", False), ("c", True)], groups)
+    assert cells["depth"] == {"2": {"episodes": 2, "solved": 1}, "3": {"episodes": 1, "solved": 0},
+                              "?": {"episodes": 1, "solved": 1}}
+    assert cells["kind"]["bugfix"] == {"episodes": 2, "solved": 1} and bench.solved_line(cells["kind"]) == \
+        "? 1/1, bugfix 1/2, implement 0/1"
 
 
 def _fake_save(root, iteration):

@@ -133,6 +133,9 @@ def _exactly_once(tmp_path, faults):
     assert len(rollouts) == 10 * 4 and all(r["step"] <= 5 for r in rollouts)
 
 
+# 28 s: `make test-all`. The same corner (a step trained and logged, killed before its checkpoint, trained again on
+# resume, every prompt once) is test_rl_resume.py's second kill, which the default suite runs.
+@pytest.mark.slow
 def test_exactly_once_after_kill_between_training_and_save(tmp_path):
     # step 2 is trained and logged, then the process dies before its checkpoint: step 2 is trained again
     _exactly_once(tmp_path, ["trained:2"])
