@@ -38,6 +38,10 @@ def initialize_distributed(args: argparse.Namespace):
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     set_seed(args.seed)
+    if getattr(args, "save", None):  # the first save need not wait for the writer's spawned helper
+        from megatron_ext.training.checkpointing import start_writer_queue
+
+        start_writer_queue()
 
 
 def set_seed(seed: int):

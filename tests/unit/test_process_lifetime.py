@@ -29,10 +29,16 @@ TRAINER = textwrap.dedent("""
 
 
     if __name__ == "__main__":
+        import sys
+
         signal.signal(signal.SIGTERM, lambda *a: None)  # as training/loop.py's _Sigterm: remember, do not exit
         from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
 
-        _get_write_results_queue()  # spawns the Manager server, as the first checkpoint save does
+        from megatron_ext.training.checkpointing import start_writer_queue
+
+        if sys.argv[1] == "started":  # as initialize_distributed does for a run that saves
+            assert start_writer_queue()
+        _get_write_results_queue()  # else spawns the Manager server, as the first checkpoint save did
         mp.get_context("fork").Process(target=writer, daemon=False).start()
         print("ready", flush=True)
         time.sleep(600)
@@ -60,10 +66,13 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def test_helpers_die_with_a_killed_trainer(tmp_path):
+@pytest.mark.parametrize("queue", ["spawned", "started"])
+def test_helpers_die_with_a_killed_trainer(tmp_path, queue):
+    """`spawned`: the writer's Manager as Megatron-Core starts it; `started`: as `start_writer_queue` starts it at
+    start-up (without the entry script's imports, so without megatron_ext.lifetime's watcher)."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script), queue], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": ROOT})
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -264,3 +273,42 @@ def test_a_killed_driver_takes_its_phase_with_it(tmp_path):
     finally:
         if _alive(phase):
             os.kill(phase, signal.SIGKILL)
+
+
+START_UP = textwrap.dedent("""
+    import os
+    import sys
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
+
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+
+    flags = ["--model", "tiny", "--mock-data", "--train-iters", "1"]
+    initialize_distributed(parse_args(flags, world_size=1))  # a run that does not save starts nothing
+    print(writer._results_queue)
+    destroy()
+    initialize_distributed(parse_args([*flags, "--save", sys.argv[1]], world_size=1))
+    queue = writer._results_queue
+    destroy()  # (exiting with the process group up can abort in gloo's threads)
+    assert writer._get_write_results_queue() is queue
+    server = queue._manager._process
+    with open(f"/proc/{server.pid}/status") as f:
+        parent = int(next(line.split()[1] for line in f if line.startswith("PPid:")))
+    with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+        spawned = b"--multiprocessing-fork" in f.read()
+    queue.put({"rank": 0})
+    print(spawned, parent == os.getpid(), queue.get(timeout=10))
+""")
+
+
+def test_a_run_that_saves_starts_the_checkpoint_writer_queue_at_start_up(tmp_path):
+    """The first save no longer waits ~3.5 s for Megatron-Core to spawn the writer's Manager (whose child re-ran the
+    entry script's imports): `initialize_distributed` starts it when the run has --save, spawned without the entry
+    script, and the queue works."""
+    script = tmp_path / "start_up.py"
+    script.write_text(START_UP)
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script), str(tmp_path / "ckpt")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["None", "True True {'rank': 0}"]
