@@ -198,6 +198,7 @@ def _serve(argv: list) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.finetune = True  # serving needs weights only
+    args.save = None  # --save is where --hf-dir imports to (done by now); a server writes no checkpoint
     problem = _weights_problem(args) or _port_problem(args.host, args.port)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

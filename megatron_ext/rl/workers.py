@@ -145,13 +145,13 @@ class TimedEnv:
 # ---- the local engine backend ------------------------------------------------------------------------------
 def worker_model_args(args: argparse.Namespace) -> argparse.Namespace:
     """The trainer's flags for a one-process replica: same architecture, no parallelism, nothing loaded (the
-    weights come from the trainer)."""
+    weights come from the trainer) or saved."""
     a = copy.copy(args)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size", "expert_tensor_parallel_size", "world_size"):
         if hasattr(a, name):
             setattr(a, name, 1)
-    a.load = None
+    a.load = a.save = None  # (with a save target its initialize_distributed would start a checkpoint writer queue)
     a.sequence_parallel = False
     return a
 

@@ -259,8 +259,9 @@ def start_writer_queue() -> bool:
     behind; megatron_ext.lifetime, which would do that, is not imported there) and imports torch's checkpoint
     classes in the background, which unpickling the first results needs (overlapping this process's start-up).
     (Forking it instead was tried: the forked server crashed collecting objects inherited from the trainer.) Called
-    from the main thread (`initialize_distributed`, before other threads exist); elsewhere, with a queue already
-    started, or with a Megatron-Core without that private hook, nothing changes."""
+    by `initialize_distributed` for a run with a save target, in the main thread before the run starts threads of
+    its own; from another thread, with a queue already started, or with a Megatron-Core without that private hook,
+    nothing changes."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
     except ImportError:
