@@ -136,7 +136,8 @@ class _TopKRecorder:
 
 class LatentCache:
     """Per-layer MLA cache for a batch: the latent and the rotated rope key of each token side by side,
-    [batch, max_len, kv_lora_rank + rope_dim], so that absorbed attention scores both with one matmul.
+    [batch, max_len, kv_lora_rank + rope_dim], so that absorbed attention scores both with one matmul. The rope key
+    keeps its rotated pairs interleaved (`_rope`), not in Megatron-Core's halves: only dot products read it.
 
     Kimi Linear hybrids keep, side by side with those, each KDA layer's constant-size state in `states[i]`
     (convolution tail, recurrent state: `KimiDeltaAttention.new_state`); such a layer's `kv[i]` is empty."""
@@ -340,6 +341,32 @@ def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, fi
     return torch.zeros_like(flat).index_put_((rows,), y, accumulate=True)
 
 
+def _moe_token(x: torch.Tensor, token_experts: list[int], token_weights: list[float], experts, first: int,
+               shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """sum_e w_e * expert_e(x) over one token's routed experts on this rank (plus `shared`'s (fc1, fc2) with
+    weight 1) for one token x [hidden], in as few ops as one token allows: the gate/up products stacked for one
+    SwiGLU, the down products accumulated by addmv with the routing weight as alpha."""
+    picked = [(experts[e - first], w) for e, w in zip(token_experts, token_weights)
+              if first <= e < first + len(experts)]
+    if shared is not None:
+        picked.insert(0, (shared, 1.0))
+    if not picked:
+        return torch.zeros_like(x)
+    h = torch.stack([torch.mv(fc1, x) for (fc1, _), _ in picked]) if len(picked) > 1 else \
+        torch.mv(picked[0][0][0], x).unsqueeze(0)
+    gate, up = h.chunk(2, dim=-1)
+    rows = F.silu(gate).mul_(up).unbind(0)
+    y = None
+    for ((_, fc2), w), a in zip(picked, rows):
+        if y is None:
+            y = torch.mv(fc2, a)
+            if w != 1.0:
+                y.mul_(w)
+        else:
+            y = torch.addmv(y, fc2, a, alpha=w)
+    return y
+
+
 def _stack_view(tensors: list[torch.Tensor]) -> Optional[tuple[torch.Tensor, bool]]:
     """([n, *shape] view, descending) of same-shaped contiguous tensors laid out at equal spacing in one storage
     (as stacked experts, or a buffer holding them in order or in reverse order); the view is in memory order, so
@@ -397,11 +424,17 @@ class _ExpertStack:
                    for stack, j in ((self.fc1, 0), (self.fc2, 1)) for i, e in ends)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron-Core's MLA rope (interleaved pairs regrouped into halves, then rotate-half), written with the
-    half-width cos/sin tables so it is a few ops instead of a dozen."""
+def _rope(x: torch.Tensor, rotation) -> torch.Tensor:
+    """Megatron-Core's MLA rope on `x` [..., rope_dim], each interleaved pair (x[2i], x[2i+1]) rotated by the
+    i-th angle. The result keeps the pairs interleaved, where Megatron-Core regroups them into halves: scores only
+    ever take dot products of a query's and a key's rope parts, which both come from here, and a permutation of
+    both leaves those unchanged. `rotation`: the complex unit numbers [..., rope_dim / 2] (fp32/fp64: one complex
+    product), or (cos, sin) for other dtypes."""
+    if torch.is_tensor(rotation):
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rotation).flatten(-2)
+    cos, sin = rotation
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
 @dataclass
@@ -478,7 +511,7 @@ class InferenceEngine:
         # per head and cached token for the up-projection plus (dn + rope + dv) per new and cached token. For
         # s new tokens absorbed wins while s (2r - dn - dv) < r (dn + dv).
         self.absorb_max_tokens = (r * (dn + dv)) // (2 * r - dn - dv) if 2 * r > dn + dv else 1 << 30
-        self._rope_tables, self._fast_router = {}, {}
+        self._rope_tables, self._fast_router, self._kv_up_views = {}, {}, {}
         # GPU: no host reads of device values inside a forward (MoE routing, cache lengths), so that the host
         # queues a whole step ahead of the device; None: on when the model is on CUDA
         self.host_sync_free: Optional[bool] = None
@@ -531,8 +564,9 @@ class InferenceEngine:
         return _Step(positions, lengths, total, start, mask, absorbed=s <= self.absorb_max_tokens, valid=valid)
 
     def _rope_for(self, attn: MLASelfAttention, step: _Step, length: int):
-        """(cos, sin) at the step's positions, [s, b, 1, rope_dim / 2], mscale folded in as Megatron-Core does.
-        Layers whose rotary tables are equal share one gather per step."""
+        """The rotation `_rope` applies at the step's positions, [s, b, 1, rope_dim / 2]: complex numbers, or
+        (cos, sin) in half precision; mscale folded in as Megatron-Core does. Layers whose rotary tables are equal
+        share one gather per step."""
         table = self._rope_tables.get(id(attn.rotary_pos_emb))
         if table is None or table[0].size(0) < length:
             table = self._rope_table(attn, max(length, 2 * (table[0].size(0) if table else 0)))
@@ -542,7 +576,10 @@ class InferenceEngine:
         key = id(table[0])
         if key not in step.rope:
             index = step.positions.t()
-            step.rope[key] = (table[0][index].unsqueeze(2), table[1][index].unsqueeze(2))
+            if table[2] is not None:
+                step.rope[key] = table[2][index].unsqueeze(2)
+            else:
+                step.rope[key] = (table[0][index].unsqueeze(2), table[1][index].unsqueeze(2))
         return step.rope[key]
 
     def _rope_table(self, attn: MLASelfAttention, length: int):
@@ -554,7 +591,8 @@ class InferenceEngine:
             raise ValueError("the inference engine expects rotary frequencies repeated over both halves")
         cos = (torch.cos(emb[:, :half]) * mscale).to(self.dtype)
         sin = (torch.sin(emb[:, :half]) * mscale).to(self.dtype)
-        return cos, sin
+        rotation = torch.complex(cos, sin) if self.dtype in (torch.float32, torch.float64) else None
+        return cos, sin, rotation
 
     def _attention(self, attn: MLASelfAttention, h: torch.Tensor, step: _Step, cache_kv: torch.Tensor):
         """MLA over new tokens h [s, b, hidden]: appends their latents and rope keys to `cache_kv`
@@ -570,8 +608,8 @@ class InferenceEngine:
         q = q.view(s, b, n, dn + dr)
         kv = F.linear(h, attn.linear_kv_down_proj.weight)  # [s, b, r + dr]
         latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv[..., :r]))  # what is cached
-        cos, sin = self._rope_for(attn, step, cache_kv.size(1))
-        pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), cos, sin)  # [s, b, n + 1, dr]
+        rotation = self._rope_for(attn, step, cache_kv.size(1))
+        pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), rotation)  # [s, b, n + 1, dr]
         new = torch.cat((latent, pe[:, :, n]), dim=-1).transpose(0, 1)  # [b, s, r + dr]
         if step.start is not None:
             cache_kv[0, step.start: step.start + s] = new[0]
@@ -579,20 +617,42 @@ class InferenceEngine:
             slots = step.lengths.unsqueeze(1) + torch.arange(s, device=h.device).unsqueeze(0)
             cache_kv[torch.arange(b, device=h.device).unsqueeze(1), slots] = new
         cached = cache_kv[:, : step.total]  # [b, t, r + dr]
-        w_kv_up = attn.linear_kv_up_proj.weight.view(n, dn + cfg.v_head_dim, r)
         if step.absorbed:
-            out = self._absorbed(q[..., :dn], pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
+            out = self._absorbed(q[..., :dn], pe[:, :, :n], cached, self._kv_up(attn), step, attn.softmax_scale)
         else:
+            w_kv_up = attn.linear_kv_up_proj.weight
             out = self._expanded(q[..., :dn], pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
         return F.linear(out, attn.linear_proj.weight)
 
-    def _absorbed(self, q_nope, q_pe, cached, w_kv_up, step: _Step, scale: float):
+    def _kv_up(self, attn: MLASelfAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk [n, dn, r], W_uv^T [n, r, dv]): views of the key/value up-projection, made once per weight
+        tensor (in-place updates show through; a parameter given new memory gets new views)."""
+        w = attn.linear_kv_up_proj.weight
+        views = self._kv_up_views.get(id(attn))
+        if views is None or views[0] is not w or views[1].data_ptr() != w.data_ptr():
+            cfg = self.config
+            dn = cfg.qk_head_dim
+            heads = w.view(self.heads, dn + cfg.v_head_dim, cfg.kv_lora_rank)
+            views = self._kv_up_views[id(attn)] = (w, heads[:, :dn], heads[:, dn:].transpose(1, 2))
+        return views[1], views[2]
+
+    def _absorbed(self, q_nope, q_pe, cached, kv_up, step: _Step, scale: float):
         """Attention in latent space: scores = [q_nope W_uk | q_pe] . [latent | rope key], output = (softmax .
-        latent) W_uv; [s, b, n * dv]."""
+        latent) W_uv; [s, b, n * dv]. `kv_up`: (W_uk, W_uv^T) from `_kv_up`."""
+        w_uk, w_uv_t = kv_up
         s, b, n, dn = q_nope.shape
         r, t = self.config.kv_lora_rank, cached.size(1)
+        if s == 1:  # decode: [b, n, .] throughout, heads first only for the up-projections
+            q_latent = torch.bmm(q_nope[0].transpose(0, 1), w_uk)  # [n, b, r]
+            query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1).transpose(0, 1)  # [b, n, r + dr]
+            scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
+            if step.mask is not None:  # [b, 1, 1, t] -> over the heads
+                scores.masked_fill_(~step.mask.view(b, 1, t), -math.inf)
+            out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
+            out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
+            return out.transpose(0, 1).reshape(1, b, -1)
         heads_first = (2, 1, 0, 3)  # [s, b, n, d] -> [n, b, s, d]: one matmul per head over every new token
-        q_latent = torch.bmm(q_nope.permute(heads_first).reshape(n, b * s, dn), w_kv_up[:, :dn])  # [n, b*s, r]
+        q_latent = torch.bmm(q_nope.permute(heads_first).reshape(n, b * s, dn), w_uk)  # [n, b*s, r]
         query = torch.cat((q_latent, q_pe.permute(heads_first).reshape(n, b * s, -1)), dim=-1)
         query = query.view(n, b, s, -1).transpose(0, 1).reshape(b, n * s, -1)
         scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
@@ -600,14 +660,14 @@ class InferenceEngine:
             scores = scores.view(b, n, s, t).masked_fill_(~step.mask, -math.inf).view(b, n * s, t)
         out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n*s, r]
         out_latent = out_latent.view(b, n, s, r).transpose(0, 1).reshape(n, b * s, r)
-        out = torch.bmm(out_latent, w_kv_up[:, dn:].transpose(1, 2))  # [n, b*s, dv]
+        out = torch.bmm(out_latent, w_uv_t)  # [n, b*s, dv]
         return out.view(n, b, s, -1).permute(heads_first).reshape(s, b, -1)
 
     def _expanded(self, q_nope, q_pe, cached, w_kv_up, step: _Step, scale: float):
         """Per-head keys and values up-projected from every cached latent, then SDPA; [s, b, n * dv]."""
         s, b, n, dn = q_nope.shape
         r, t = self.config.kv_lora_rank, cached.size(1)
-        kv_up = torch.matmul(cached[..., :r], w_kv_up.view(-1, r).t()).view(b, t, n, -1)
+        kv_up = torch.matmul(cached[..., :r], w_kv_up.t()).view(b, t, n, -1)
         k_nope, v = kv_up[..., :dn], kv_up[..., dn:]
         k = torch.cat((k_nope, cached[..., r:].unsqueeze(2).expand(-1, -1, n, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
@@ -636,7 +696,12 @@ class InferenceEngine:
             self._fast_router[id(router)] = fast
         if fast:
             dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, flat.dtype)
-            scores = torch.sigmoid(F.linear(flat.to(dtype), router.weight.to(dtype)).float()).to(dtype)
+            if dtype == torch.float32:  # sigmoid in fp32 as the router computes it, with no casts to make
+                weight = router.weight
+                scores = torch.sigmoid(F.linear(flat if flat.dtype == dtype else flat.to(dtype),
+                                                weight if weight.dtype == dtype else weight.to(dtype)))
+            else:  # sigmoid in fp32 whatever the logits' precision, as the router computes it
+                scores = torch.sigmoid(F.linear(flat.to(dtype), router.weight.to(dtype)).float()).to(dtype)
             bias = router.expert_bias
             chosen = torch.topk(scores + bias if bias is not None else scores, router.topk, dim=1).indices
             weights = scores.gather(1, chosen)
@@ -657,7 +722,7 @@ class InferenceEngine:
             weights = probs.gather(1, chosen)
         if routing is not None:
             routing.append(chosen)
-        return chosen, weights.to(flat.dtype)
+        return chosen, (weights if weights.dtype == flat.dtype else weights.to(flat.dtype))
 
     @property
     def sync_free(self) -> bool:
@@ -669,6 +734,18 @@ class InferenceEngine:
         if stack is None or (stack.fc1 is not None and stack.fc2 is not None and not stack.valid()):
             stack = self._stacks[id(mlp)] = _ExpertStack(self._experts[id(mlp)])
         return stack if stack.fc1 is not None and stack.fc2 is not None else None
+
+    def _foldable_shared(self, mlp, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The shared expert's (fc1, fc2) when one token's shared and routed experts can be summed together:
+        one token, one rank (no all-reduce tells them apart), routed-expert shapes, no fused norm or gate."""
+        shared = getattr(mlp, "shared_experts", None)
+        if (shared is None or flat.size(0) != 1 or self.groups.tp is not None or self.groups.experts is not None
+                or getattr(shared, "use_shared_expert_gate", False)
+                or getattr(shared.linear_fc1, "layer_norm_weight", None) is not None):
+            return None
+        fc1, fc2 = shared.linear_fc1.weight, shared.linear_fc2.weight
+        e1, e2 = self._experts[id(mlp)][0]
+        return (fc1, fc2) if fc1.shape == e1.shape and fc2.shape == e2.shape else None
 
     def _moe(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
         """y = sum_e p_e * expert_e(x) + shared(x), computed directly on the tokens each of this rank's experts
@@ -686,15 +763,12 @@ class InferenceEngine:
         elif stack is not None and flat.size(0) * chosen.size(1) < len(experts):
             out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, False, stack.descending)
         elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
-            per_token = []
-            for t, (token_experts, token_weights) in enumerate(zip(chosen.tolist(), weights.tolist())):
-                x, y_t = flat[t: t + 1], None
-                for e, w in zip(token_experts, token_weights):
-                    if first <= e < first + len(experts):
-                        y = _swiglu(x, *experts[e - first])
-                        y_t = y * w if y_t is None else torch.add(y_t, y, alpha=w)
-                per_token.append(torch.zeros_like(x) if y_t is None else y_t)
-            out = per_token[0] if len(per_token) == 1 else torch.cat(per_token)
+            shared = self._foldable_shared(mlp, flat)
+            per_token = [_moe_token(x, e, w, experts, first, shared)
+                         for x, e, w in zip(flat, chosen.tolist(), weights.tolist())]
+            if shared is not None:  # one token: its shared expert is in the sum
+                return per_token[0].view_as(h)
+            out = per_token[0].unsqueeze(0) if len(per_token) == 1 else torch.stack(per_token)
         else:  # prefill: each expert once over all its tokens
             expert_ids, order = torch.sort(chosen.flatten(), stable=True)
             rows, w = order // chosen.size(1), weights.flatten()[order].unsqueeze(-1)

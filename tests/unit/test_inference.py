@@ -467,3 +467,48 @@ def test_sync_free_experts_skip_other_ranks_experts(grouped, descending):
         fc1, fc2 = fc1.flip(0), fc2.flip(0)
     got = _moe_indexed(flat, chosen, weights, fc1, fc2, 4, grouped, descending)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_the_pairs_megatron_core_rotates_and_keeps_them_interleaved(dtype):
+    """The engine's rope (one complex product in fp32, cos/sin in bf16) gives Megatron-Core's MLA rope up to the
+    order of the dims: pair i stays at (2i, 2i + 1) where Megatron-Core puts it at (i, i + dr / 2). Query and key
+    are permuted alike, so the scores are Megatron-Core's."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_ext.inference.engine import _rope
+
+    s, b, heads, dr = 5, 2, 3, 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(s, b, heads, dr, generator=g).to(dtype)
+    angles = torch.rand(s, 1, 1, dr // 2, generator=g) * 6
+    freqs = torch.cat((angles, angles), dim=-1)  # Megatron-Core's table: the frequencies repeated over both halves
+    mscale = 1.3
+    megatron = _apply_rotary_pos_emb_bshd(x, freqs, multi_latent_attention=True, mscale=mscale)
+    cos, sin = (torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype)
+    rotation = torch.complex(cos, sin) if dtype == torch.float32 else (cos, sin)
+    ours = _rope(x, rotation)
+    assert ours.shape == x.shape and ours.dtype == dtype
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours[..., 0::2], megatron[..., : dr // 2], **tol)
+    torch.testing.assert_close(ours[..., 1::2], megatron[..., dr // 2:], **tol)
+    # a query and a key rotated at the same position: the same dot product either way
+    torch.testing.assert_close((ours[:, :, :1] * ours[:, :, 1:2]).sum(-1),
+                               (megatron[:, :, :1] * megatron[:, :, 1:2]).sum(-1), **tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_moe_equals_megatron_moe_layer(engine, tokens):
+    """The decode path of the routed experts (one token: its shared expert summed with them in one pass; a few
+    tokens: each on its own, the shared expert over all of them) against Megatron-Core's MoE layer itself."""
+    eng, model = engine
+    layer = next(layer for layer in eng.layers if getattr(layer.mlp, "router", None) is not None)
+    mlp = layer.mlp
+    h = torch.randn(tokens, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    folded = eng._foldable_shared(mlp, h.view(tokens, -1))
+    assert (folded is not None) == (tokens == 1)  # the tiny models' shared expert has the routed experts' shape
+    with torch.no_grad():
+        expected = mlp(h)[0]
+    got = eng._moe(mlp, h, None)
+    assert got.shape == h.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
