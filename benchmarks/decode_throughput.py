@@ -6,7 +6,8 @@
     (a) also prints the weight-read floor: the time per token of only the one-row matrix products a decode step
     makes (every attention projection, the router, the shared expert, top-k routed experts, the dense MLP of the
     first layer, the output layer), timed as bare `F.linear` calls; `--only floor` prints just that, without
-    transformers' side.
+    transformers' side. `--only ops` counts the torch ops our decode step issues per token on (a)'s model (the
+    profiler's top-level ops): the per-step host overhead as a number that a busy machine does not change.
 (b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
     With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
     at line starts from a --prompts-from text/code file and tokenised with the checkpoint's tokenizer (or
@@ -24,7 +25,7 @@ medians, so that load from other jobs on a shared machine hits both sides alike.
 options in docs/benchmarks.md (tables with `command`, `ratio` and `paired runs` columns); a ratio whose median
 falls outside the recorded paired-run range has moved, and the exit status is 1 when one fell below it.
 
-    python benchmarks/decode_throughput.py [--only a|b|floor] [--tokens 64] [--repeats 5] [--threads 2] [--check]
+    python benchmarks/decode_throughput.py [--only a|b|floor|ops] [--tokens 64] [--repeats 5] [--threads 2] [--check]
     python benchmarks/decode_throughput.py --only b --load CKPT --prompts-from /usr/lib/python3.11/json/decoder.py
     python benchmarks/decode_throughput.py --only b --num-layers 16
 """
@@ -32,6 +33,7 @@ falls outside the recorded paired-run range has moved, and the exit status is 1 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shlex
@@ -258,6 +260,34 @@ def floor_only(opts, workdir: str) -> str:
             f"F.linear calls ({mb / ms:.1f} GB/s); other processes used {busy:.0%} of the CPUs meanwhile")
 
 
+def op_counts(engine: InferenceEngine, prompt: list[int], tokens: int) -> tuple[float, collections.Counter]:
+    """(ops per decoded token, Counter of op name -> per token): the torch ops the host issues, counted at the top
+    level (an op another op calls is not counted again) by the profiler, for `tokens` greedy tokens minus the
+    prompt's forward and first token, after a warm-up generation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(n: int) -> collections.Counter:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))
+        return collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
+
+    engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0))  # one-time set-up (tables, views)
+    one, many = count(1), count(tokens)
+    per_token = collections.Counter({k: (many[k] - one[k]) / (tokens - 1) for k in many if many[k] > one[k]})
+    return sum(per_token.values()), per_token
+
+
+def ops_only(opts, workdir: str) -> str:
+    _, engine = random_deepseek(opts, workdir)
+    prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
+    total, per_token = op_counts(engine, prompt, opts.tokens)
+    destroy()
+    top = ", ".join(f"{name.removeprefix('aten::')} {n:.1f}" for name, n in per_token.most_common(12))
+    return (f"(a)'s model (hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4), ours: "
+            f"{total:.1f} top-level torch ops per decoded token (prompt {opts.prompt_length}, {opts.tokens} new "
+            f"tokens); most frequent: {top}")
+
+
 def versus_transformers(opts, workdir: str) -> tuple[str, Figure]:
     hf, engine = random_deepseek(opts, workdir)
     hidden = opts.hidden
@@ -392,8 +422,9 @@ def speculative(opts, workdir: str) -> tuple[str, Figure]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["a", "b", "floor"], default=None,
-                   help="run one of the two measurements, or only (a)'s weight-read floor")
+    p.add_argument("--only", choices=["a", "b", "floor", "ops"], default=None,
+                   help="run one of the two measurements, or only (a)'s weight-read floor, or count the torch ops "
+                        "our decode step issues on (a)'s model (independent of the machine's load)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side after a warm-up")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -425,8 +456,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     opts = parser().parse_args(argv)
-    if opts.check and opts.only == "floor":
-        raise SystemExit("--check compares the ratios of (a) and (b); --only floor has none")
+    if opts.check and opts.only in ("floor", "ops"):
+        raise SystemExit(f"--check compares the ratios of (a) and (b); --only {opts.only} has none")
     if opts.check and not os.path.isfile(opts.docs):
         raise SystemExit(f"--check: {opts.docs} does not exist")
     torch.set_num_threads(opts.threads)
@@ -435,6 +466,8 @@ def main(argv=None):
     try:
         if opts.only == "floor":
             print(floor_only(opts, workdir), flush=True)
+        if opts.only == "ops":
+            print(ops_only(opts, workdir), flush=True)
         for kind, run in (("a", versus_transformers), ("b", speculative)):
             if opts.only in (None, kind):
                 line, figure = run(opts, workdir)

@@ -69,3 +69,31 @@ def test_a_deeper_stand_in_trains_at_a_lower_learning_rate_unless_told(bench):
         ["--only", "b"], ["--only", "b", "--num-layers", "4"], ["--only", "b", "--num-layers", "16"],
         ["--only", "b", "--num-layers", "16", "--train-lr", "1e-2"])]
     assert lr == [1e-2, 1e-2, 3e-3, 1e-2]
+
+
+def test_op_counts_are_per_decoded_token_and_do_not_depend_on_the_length(bench):
+    """`--only ops`: the count excludes the prompt's forward and first token, so it is the same for 5 and 9 new
+    tokens, and it holds the decode step's matrix products."""
+    import torch
+
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(["--model", "tiny", "--mock-data", "--mtp-num-layers", "0"], world_size=1)
+    initialize_distributed(args)
+    try:
+        model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
+        engine = InferenceEngine(model.eval())
+        prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+        short, short_kinds = bench.op_counts(engine, prompt, 5)
+        long, long_kinds = bench.op_counts(engine, prompt, 9)
+    finally:
+        destroy()
+    assert short == pytest.approx(sum(short_kinds.values()))
+    assert long == pytest.approx(short)
+    # attention projections of every layer, the dense MLP, the output layer: at least a few per layer
+    assert short_kinds["aten::linear"] >= 3 * args.num_layers
+    assert 50 < short < 2000
