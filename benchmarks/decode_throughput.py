@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import shlex
@@ -260,32 +261,40 @@ def floor_only(opts, workdir: str) -> str:
             f"F.linear calls ({mb / ms:.1f} GB/s); other processes used {busy:.0%} of the CPUs meanwhile")
 
 
-def op_counts(engine: InferenceEngine, prompt: list[int], tokens: int) -> tuple[float, collections.Counter]:
-    """(ops per decoded token, Counter of op name -> per token): the torch ops the host issues, counted at the top
-    level (an op another op calls is not counted again) by the profiler, for `tokens` greedy tokens minus the
-    prompt's forward and first token, after a warm-up generation."""
+def op_counts(engine: InferenceEngine, prompts: list[list[int]], tokens: int) -> tuple[float, collections.Counter]:
+    """(ops per decode step, Counter of op name -> per step): the torch ops the host issues, counted at the top
+    level (an op another op calls is not counted again) by the profiler, for `tokens` greedy tokens of each of
+    `prompts` (one batch) minus the prompts' forward and first token, after a warm-up generation."""
     from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    engine.generate(prompts, params)  # one-time set-up (tables, views)
 
     def count(n: int) -> collections.Counter:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))
+            engine.generate(prompts, dataclasses.replace(params, max_tokens=n))
         return collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
 
-    engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0))  # one-time set-up (tables, views)
     one, many = count(1), count(tokens)
-    per_token = collections.Counter({k: (many[k] - one[k]) / (tokens - 1) for k in many if many[k] > one[k]})
-    return sum(per_token.values()), per_token
+    per_step = collections.Counter({k: (many[k] - one[k]) / (tokens - 1) for k in many if many[k] > one[k]})
+    return sum(per_step.values()), per_step
+
+
+OPS_BATCHES = (1, 8)
 
 
 def ops_only(opts, workdir: str) -> str:
     _, engine = random_deepseek(opts, workdir)
-    prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
-    total, per_token = op_counts(engine, prompt, opts.tokens)
+    g = torch.Generator().manual_seed(1)
+    lines = []
+    for batch in OPS_BATCHES:
+        prompts = [torch.randint(0, 8192, (opts.prompt_length,), generator=g).tolist() for _ in range(batch)]
+        total, per_step = op_counts(engine, prompts, opts.tokens)
+        top = ", ".join(f"{name.removeprefix('aten::')} {n:.1f}" for name, n in per_step.most_common(12))
+        lines.append(f"batch {batch}: {total:.1f} top-level torch ops per decode step; most frequent: {top}")
     destroy()
-    top = ", ".join(f"{name.removeprefix('aten::')} {n:.1f}" for name, n in per_token.most_common(12))
-    return (f"(a)'s model (hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4), ours: "
-            f"{total:.1f} top-level torch ops per decoded token (prompt {opts.prompt_length}, {opts.tokens} new "
-            f"tokens); most frequent: {top}")
+    return (f"(a)'s model (hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4), ours, prompt "
+            f"{opts.prompt_length}, {opts.tokens} new tokens:\n  " + "\n  ".join(lines))
 
 
 def versus_transformers(opts, workdir: str) -> tuple[str, Figure]:

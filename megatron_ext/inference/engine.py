@@ -62,6 +62,12 @@ from megatron_ext.models.norm import RMSNorm
 # Up to this many tokens per MoE call (decode, speculative verify), experts run token by token: regrouping tokens
 # by expert costs a dozen extra small ops, more than it saves when experts are rarely shared.
 _FEW_TOKENS = 4
+# On the CPU, a step of T > 1 tokens (speculative verify, a batch of decoding rows) runs every local expert on every
+# token when T x (bytes of the layer's local experts) is at most this: a few batched matmuls over cache-resident
+# weights then cost less than the host work of picking experts (~10 small ops per expert touched), although they
+# do E / top-k times the FLOPs. Tiny models only (8 experts of 64 x 32, 196 KB: up to 42 tokens); a real model's
+# experts never come close.
+_ALL_EXPERTS_MAX_WORK = 8 << 20
 
 
 @dataclass
@@ -341,6 +347,23 @@ def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, fi
     return torch.zeros_like(flat).index_put_((rows,), y, accumulate=True)
 
 
+def _moe_all(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+             first: int, descending: bool = False) -> torch.Tensor:
+    """sum_e p_e * expert_e(x) for every token of `flat` [T, h] with every local expert computed (weight 0 where
+    it was not chosen): batched matmuls over the experts stacked [E, 2 ffn, h] and [E, h, ffn] (`_ExpertStack`;
+    `descending`: stack[i] is local expert E - 1 - i), no per-expert host work."""
+    n = fc1.size(0)
+    local = chosen - first
+    mine = (local >= 0) & (local < n)
+    slot = (n - 1 - local) if descending else local
+    gate = torch.zeros(flat.size(0), n + 1, dtype=weights.dtype, device=flat.device)
+    gate.scatter_(1, torch.where(mine, slot, n), weights)  # column n collects other ranks' experts
+    h = torch.matmul(flat, fc1.transpose(1, 2))  # [E, T, 2 ffn]
+    g, u = h.chunk(2, dim=-1)
+    a = F.silu(g).mul_(u).mul_(gate[:, :n].t().unsqueeze(-1))  # [E, T, ffn], weighted
+    return torch.bmm(a, fc2.transpose(1, 2)).sum(0)
+
+
 def _moe_token(x: torch.Tensor, token_experts: list[int], token_weights: list[float], experts, first: int,
                shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """sum_e w_e * expert_e(x) over one token's routed experts on this rank (plus `shared`'s (fc1, fc2) with
@@ -511,7 +534,7 @@ class InferenceEngine:
         # per head and cached token for the up-projection plus (dn + rope + dv) per new and cached token. For
         # s new tokens absorbed wins while s (2r - dn - dv) < r (dn + dv).
         self.absorb_max_tokens = (r * (dn + dv)) // (2 * r - dn - dv) if 2 * r > dn + dv else 1 << 30
-        self._rope_tables, self._fast_router, self._kv_up_views = {}, {}, {}
+        self._rope_tables, self._fast_router, self._kv_up_views, self._sizes = {}, {}, {}, {}
         # GPU: no host reads of device values inside a forward (MoE routing, cache lengths), so that the host
         # queues a whole step ahead of the device; None: on when the model is on CUDA
         self.host_sync_free: Optional[bool] = None
@@ -735,6 +758,14 @@ class InferenceEngine:
             stack = self._stacks[id(mlp)] = _ExpertStack(self._experts[id(mlp)])
         return stack if stack.fc1 is not None and stack.fc2 is not None else None
 
+    def _expert_bytes(self, mlp) -> int:
+        """Bytes of this layer's local experts' weights."""
+        size = self._sizes.get(id(mlp))
+        if size is None:
+            size = self._sizes[id(mlp)] = sum(w.numel() * w.element_size() for pair in self._experts[id(mlp)]
+                                              for w in pair)
+        return size
+
     def _foldable_shared(self, mlp, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The shared expert's (fc1, fc2) when one token's shared and routed experts can be summed together:
         one token, one rank (no all-reduce tells them apart), routed-expert shapes, no fused norm or gate."""
@@ -762,6 +793,9 @@ class InferenceEngine:
             out = _moe_dense(flat, chosen, weights, experts, first)
         elif stack is not None and flat.size(0) * chosen.size(1) < len(experts):
             out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, False, stack.descending)
+        elif (1 < flat.size(0) and flat.size(0) * self._expert_bytes(mlp) <= _ALL_EXPERTS_MAX_WORK
+              and (stack := self._expert_stack(mlp)) is not None):
+            out = _moe_all(flat, chosen, weights, stack.fc1, stack.fc2, first, stack.descending)
         elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             shared = self._foldable_shared(mlp, flat)
             per_token = [_moe_token(x, e, w, experts, first, shared)

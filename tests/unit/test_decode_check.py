@@ -88,8 +88,8 @@ def test_op_counts_are_per_decoded_token_and_do_not_depend_on_the_length(bench):
         model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
         engine = InferenceEngine(model.eval())
         prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-        short, short_kinds = bench.op_counts(engine, prompt, 5)
-        long, long_kinds = bench.op_counts(engine, prompt, 9)
+        short, short_kinds = bench.op_counts(engine, [prompt], 5)
+        long, long_kinds = bench.op_counts(engine, [prompt], 9)
     finally:
         destroy()
     assert short == pytest.approx(sum(short_kinds.values()))

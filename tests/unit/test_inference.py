@@ -307,6 +307,7 @@ def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, row
 
     eng, _ = engine
     assert engine_module._dense_decode(torch.zeros(64, 8, device="meta"), 8, 384) is False  # not on a GPU
+    monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)  # the CPU's host-synced paths, not _moe_all
     mlp = next(layer.mlp for layer in eng.layers if hasattr(layer.mlp, "router"))
     h = torch.randn(rows, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
@@ -497,18 +498,31 @@ def test_rope_rotates_the_pairs_megatron_core_rotates_and_keeps_them_interleaved
                                (megatron[:, :, :1] * megatron[:, :, 1:2]).sum(-1), **tol)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_decode_moe_equals_megatron_moe_layer(engine, tokens):
-    """The decode path of the routed experts (one token: its shared expert summed with them in one pass; a few
-    tokens: each on its own, the shared expert over all of them) against Megatron-Core's MoE layer itself."""
+@pytest.mark.parametrize("all_experts", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_decode_moe_equals_megatron_moe_layer(engine, tokens, all_experts, monkeypatch):
+    """The engine's CPU paths of the routed experts against Megatron-Core's MoE layer itself: one token (its shared
+    expert summed with them in one pass); several tokens with every expert run on every token (small experts,
+    `_moe_all`), or else token by token (up to _FEW_TOKENS) or grouped by expert."""
+    from megatron_ext.inference import engine as engine_module
+
     eng, model = engine
     layer = next(layer for layer in eng.layers if getattr(layer.mlp, "router", None) is not None)
     mlp = layer.mlp
+    if not all_experts:
+        monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)
+    called, real_all = [], engine_module._moe_all
+    monkeypatch.setattr(engine_module, "_moe_all", lambda *a, **k: called.append(1) or real_all(*a, **k))
     h = torch.randn(tokens, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
     folded = eng._foldable_shared(mlp, h.view(tokens, -1))
     assert (folded is not None) == (tokens == 1)  # the tiny models' shared expert has the routed experts' shape
     with torch.no_grad():
         expected = mlp(h)[0]
-    got = eng._moe(mlp, h, None)
+    if all_experts and tokens > 1:
+        with _NoHostSync():  # every expert on every token: nothing read back to choose weights
+            got = eng._moe(mlp, h, None)
+    else:
+        got = eng._moe(mlp, h, None)
+    assert bool(called) == (all_experts and tokens > 1)
     assert got.shape == h.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
