@@ -674,6 +674,15 @@ class InferenceEngine:
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
             out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
             return out.transpose(0, 1).reshape(1, b, -1)
+        if b == 1:  # a speculative verify or a chunk of one row: the s new tokens of every head in one batch
+            q_latent = torch.bmm(q_nope[:, 0].transpose(0, 1), w_uk)  # [n, s, r]
+            query = torch.cat((q_latent, q_pe[:, 0].transpose(0, 1)), dim=-1).view(1, n * s, -1)
+            scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
+            if step.mask is not None:  # [1, 1, s, t] -> over the heads
+                scores.view(n, s, t).masked_fill_(~step.mask.view(1, s, t), -math.inf)
+            out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [1, n * s, r]
+            out = torch.bmm(out_latent.view(n, s, r), w_uv_t)  # [n, s, dv]
+            return out.transpose(0, 1).reshape(s, 1, -1)
         heads_first = (2, 1, 0, 3)  # [s, b, n, d] -> [n, b, s, d]: one matmul per head over every new token
         q_latent = torch.bmm(q_nope.permute(heads_first).reshape(n, b * s, dn), w_uk)  # [n, b*s, r]
         query = torch.cat((q_latent, q_pe.permute(heads_first).reshape(n, b * s, -1)), dim=-1)
