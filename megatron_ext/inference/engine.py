@@ -816,16 +816,19 @@ class InferenceEngine:
             expert_ids, order = torch.sort(chosen.flatten(), stable=True)
             rows, w = order // chosen.size(1), weights.flatten()[order].unsqueeze(-1)
             counts = torch.bincount(expert_ids, minlength=first + len(experts)).tolist()
-            x = flat.index_select(0, rows)
-            ys, keep, offset = [], [], 0
-            for e, count in enumerate(counts):
-                if count and first <= e < first + len(experts):
-                    ys.append(_swiglu(x[offset: offset + count], *experts[e - first]) * w[offset: offset + count])
-                    keep.append(rows[offset: offset + count])
-                offset += count
+            mine = [e for e, count in enumerate(counts) if count and first <= e < first + len(experts)]
+            xs, ws = flat.index_select(0, rows).split(counts), w.split(counts)  # each expert's tokens, one op each
+            ys = []
+            for e in mine:  # the routing weight scales the hidden activations (the down projection is linear)
+                fc1, fc2 = experts[e - first]
+                gate, up = F.linear(xs[e], fc1).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate).mul_(up).mul_(ws[e]), fc2))
             out = torch.zeros_like(flat)
             if ys:  # a serial accumulation: index_add_ opens a parallel region, costly on a busy CPU
-                out.index_put_((torch.cat(keep),), torch.cat(ys), accumulate=True)
+                if len(mine) != sum(1 for count in counts if count):  # others' experts too (EP): keep mine
+                    parts = rows.split(counts)
+                    rows = torch.cat([parts[e] for e in mine])
+                out.index_put_((rows,), torch.cat(ys), accumulate=True)
         shared = getattr(mlp, "shared_experts", None)
         if shared is None:
             return _all_reduce(out, self.groups.experts).view_as(h)
