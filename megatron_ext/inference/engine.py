@@ -309,12 +309,19 @@ def _grouped_kernel(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+def _routing_matrix(chosen, weights, first: int, n: int, descending: bool = False) -> torch.Tensor:
+    """[T, n] routing weights of this rank's n experts (column i: local expert i, or n - 1 - i when
+    `descending`), zero where a token did not choose the expert; built on the device."""
+    local = chosen - first
+    mine = (local >= 0) & (local < n)
+    slot = (n - 1 - local) if descending else local
+    gate = torch.zeros(chosen.size(0), n, dtype=weights.dtype, device=weights.device)
+    return gate.scatter_add_(1, slot.clamp(0, n - 1), torch.where(mine, weights, torch.zeros_like(weights)))
+
+
 def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
     """sum over this rank's experts e of (routing weight of e per token) * expert_e(x), without host syncs."""
-    local = chosen - first
-    mine = (local >= 0) & (local < len(experts))
-    gate = torch.zeros(flat.size(0), len(experts), dtype=weights.dtype, device=flat.device)
-    gate.scatter_add_(1, local.clamp(0, len(experts) - 1), torch.where(mine, weights, torch.zeros_like(weights)))
+    gate = _routing_matrix(chosen, weights, first, len(experts))
     out = torch.zeros_like(flat)
     for e, (fc1, fc2) in enumerate(experts):
         out.addcmul_(_swiglu(flat, fc1, fc2), gate[:, e: e + 1])
@@ -352,15 +359,10 @@ def _moe_all(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, fc
     """sum_e p_e * expert_e(x) for every token of `flat` [T, h] with every local expert computed (weight 0 where
     it was not chosen): batched matmuls over the experts stacked [E, 2 ffn, h] and [E, h, ffn] (`_ExpertStack`;
     `descending`: stack[i] is local expert E - 1 - i), no per-expert host work."""
-    n = fc1.size(0)
-    local = chosen - first
-    mine = (local >= 0) & (local < n)
-    slot = (n - 1 - local) if descending else local
-    gate = torch.zeros(flat.size(0), n + 1, dtype=weights.dtype, device=flat.device)
-    gate.scatter_(1, torch.where(mine, slot, n), weights)  # column n collects other ranks' experts
+    gate = _routing_matrix(chosen, weights, first, fc1.size(0), descending)  # in the stack's order
     h = torch.matmul(flat, fc1.transpose(1, 2))  # [E, T, 2 ffn]
     g, u = h.chunk(2, dim=-1)
-    a = F.silu(g).mul_(u).mul_(gate[:, :n].t().unsqueeze(-1))  # [E, T, ffn], weighted
+    a = F.silu(g).mul_(u).mul_(gate.t().unsqueeze(-1))  # [E, T, ffn], weighted
     return torch.bmm(a, fc2.transpose(1, 2)).sum(0)
 
 
