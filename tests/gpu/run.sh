@@ -8,9 +8,10 @@
 # is printed and appended to LOG_DIR/summary.txt the moment it finishes, so a run cut short still reports the steps
 # it reached. Logs: runs/gpu-check/ (LOG_DIR).
 # Environment: VENV, LOG_DIR, TE_TIMEOUT (s, default 150), SKIP_TE_INSTALL=1, TOTAL (s, default 480, the whole
-# script), WHEELS=DIR: install offline from a directory of wheels for every requirement of .[dev] except torch
-# (plus setuptools and wheel), made elsewhere with pip download, for a machine without network access (then the
-# system Python must already have a CUDA torch).
+# script), STEPS="name ..." (only these checks, by the names the summary prints), WHEELS=DIR: a machine without
+# network access, whose python3 already has a CUDA torch: the wheels in DIR (made elsewhere with pip download
+# --no-deps for its Python) are installed as they are, the checkout goes on the path, and the requirements still
+# missing are listed (tests/gpu/wheels.sh makes DIR for such a machine).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$SECONDS
@@ -35,12 +36,21 @@ if [ ! -x "$VENV/bin/python" ]; then
     if cuda_torch python3; then
         note "system python3 has a CUDA torch: venv with --system-site-packages"
         python3 -m venv --system-site-packages "$VENV"
+        # --system-site-packages reaches the base interpreter's packages only: where python3 is itself a virtual
+        # environment (an image's /opt/.../.venv holding torch), the new venv would not see its CUDA torch
+        parent=$(python3 -c "import sys, site; print(' '.join(site.getsitepackages()) if sys.prefix != sys.base_prefix else '')")
+        if [ -n "$parent" ]; then
+            note "python3 is a virtual environment: its site-packages ($parent) added to $VENV"
+            site_dir=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+            printf '%s\n' $parent >"$site_dir/_parent_venv.pth"
+        fi
     else
         python3 -m venv "$VENV"
     fi
 fi
 PY="$VENV/bin/python"
 PIP_OFFLINE=()
+: >"$LOG_DIR/pip.log"
 if [ -n "${WHEELS:-}" ]; then
     PIP_OFFLINE=(--no-index --find-links "$WHEELS")
     note "installing offline from $WHEELS"
@@ -57,8 +67,38 @@ if ! cuda_torch "$PY"; then
     printf '%s\n' "===== summary =====" "${SUMMARY[@]}"
     exit 1
 fi
-# torch>=2.6 in setup.py is already met, so pip keeps the CUDA build
-if "$PY" -m pip install -q ${PIP_OFFLINE[@]+"${PIP_OFFLINE[@]}"} -e ".[dev]" >>"$LOG_DIR/pip.log" 2>&1; then
+# torch>=2.6 in setup.py is already met, so pip keeps the CUDA build. Offline (WHEELS), the wheels there are
+# installed as they are and the project without resolving its requirements: a machine without network may lack
+# some (ray's wheel alone is larger than some machines' upload limit), and the GPU checks import none of the RL
+# side; what is missing is listed, and a check that needs it fails with its ImportError.
+install_project() {
+    if [ -z "${WHEELS:-}" ]; then
+        "$PY" -m pip install -q -e ".[dev]"
+        return
+    fi
+    "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl || return
+    # the checkout on the path, as an editable install would put it (without needing setuptools' wheel command)
+    "$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" | xargs -I{} sh -c 'pwd >"{}/_megatron_ext_checkout.pth"'
+}
+installed_requirements() {  # setup.py's install_requires that this environment lacks
+    "$PY" - <<'PYEOF'
+import importlib.metadata as md
+import re
+
+text = open("setup.py").read()
+block = text[text.index("install_requires"):text.index("extras_require")]
+missing = []
+for req in re.findall(r'"([^"]+)"', block):
+    name = re.split(r"[<>=!~\[; ]", req)[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(name)
+print("not installed (checks that import them fail):", " ".join(missing) if missing else "none")
+PYEOF
+}
+if install_project >>"$LOG_DIR/pip.log" 2>&1; then
+    [ -n "${WHEELS:-}" ] && note "$(installed_requirements)"
     record "PASS install: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name())')"
 else
     tail -20 "$LOG_DIR/pip.log"
@@ -70,7 +110,8 @@ if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     record "PASS transformer engine present: $("$PY" -c 'import transformer_engine as te; print(te.__version__)' 2>/dev/null)"
 elif [ "${SKIP_TE_INSTALL:-0}" != 1 ]; then
     note "installing transformer-engine[pytorch] (timeout ${TE_TIMEOUT:-150}s)"
-    if timeout "${TE_TIMEOUT:-150}" "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch]" \
+    if timeout "${TE_TIMEOUT:-150}" "$PY" -m pip install -q ${PIP_OFFLINE[@]+"${PIP_OFFLINE[@]}"} \
+            --no-build-isolation "transformer-engine[pytorch]" \
             >"$LOG_DIR/te-install.log" 2>&1 && "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
         record "PASS transformer engine installed: $("$PY" -c 'import transformer_engine as te; print(te.__version__)')"
     else
@@ -92,6 +133,9 @@ fi
 run_step() {  # name, time limit (s), grep pattern for lines to copy into the summary ('' for none), pytest args...
     local name=$1 limit=$2 show=$3
     shift 3
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+        return  # STEPS="a b": only those checks (a re-run of the ones that failed)
+    fi
     local left=$((TOTAL - (SECONDS - T0)))
     if [ "$left" -lt 20 ]; then
         record "SKIP $name: the ${TOTAL} s budget is spent"
@@ -137,7 +181,7 @@ run_step grouped-overlap-resume 150 "" "$G" -k "grouped_gemm or local_checkpoint
 # 8. engine greedy = transformers generate on the GPU (local and TE), HF export, the server answers
 run_step engine-hf-server 150 "" "$G" -k "hf_import or server_answers"
 # 9. fla-core's KDA kernels against ours
-run_step kda-fla 60 "" tests/gpu/test_kda_fla.py
+run_step kda-fla 150 "^KDA-FLA" tests/gpu/test_kda_fla.py
 # 10. one K2.5-width MoE layer at 4096 tokens: activation memory per token, for planning.py
 run_step moe-layer-memory 90 "^MOE-LAYER" "$P" -k k25_width
 # then, as the budget allows: the CPU-written suites with the model on the GPU, and the forced-CPU path here

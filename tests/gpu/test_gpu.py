@@ -41,10 +41,13 @@ def test_the_gpu_path_is_taken():
 
 def test_bf16_training_loss_falls_on_the_gpu(tmp_path):
     torch.cuda.reset_peak_memory_stats()
-    loss = _train(tmp_path, "bf16", "--bf16", "--train-iters", "40")
+    loss = _train(tmp_path, "bf16", "--bf16", "--train-iters", "100")
     assert torch.cuda.max_memory_allocated() > 0  # the model and its batches lived on the GPU
-    first, last = loss[1], loss[40]
-    assert last < first - 1.0, (first, last)
+    # the same run on the CPU (bf16, 2026-12-04): 6.92 over iterations 1-10, 6.10 over 91-100; on the H200 the
+    # first 40 iterations matched it (6.755 vs 6.750 over 31-40), where 40 iterations had been asked to fall by 1.0
+    first = sum(loss[i] for i in range(1, 11)) / 10
+    last = sum(loss[i] for i in range(91, 101)) / 10
+    assert last < first - 0.5, (first, last)
 
 
 def test_resume_continues_the_run(tmp_path):

@@ -2,7 +2,6 @@
 import, every tensor on the GPU after the build, the TE config of every preset, TE vs local parity on identical
 weights (loss and every gradient), and one K2.5-width MoE layer's activation memory per token for the planner."""
 
-import os
 
 import pytest
 import torch

@@ -20,20 +20,28 @@ def engine(request):
     destroy()
 
 
+def _dev(model):
+    """The model's device: the inputs these tests build go there (tests/gpu/run.sh runs this file on a GPU)."""
+    return next(model.parameters()).device
+
+
 def _full_logits(model, ids):
     """Uncached logits through Megatron-Core's own TransformerBlock (GPTModel.forward needs labels once MTP
-    layers exist)."""
-    tokens = torch.tensor([ids])
+    layers exist), on the host."""
+    tokens = torch.tensor([ids], device=_dev(model))
     with torch.no_grad():
-        hidden = model.decoder(model.embedding(tokens, torch.arange(len(ids)).unsqueeze(0)), attention_mask=None)
-        return model.output_layer(hidden)[0][:, 0].float()
+        pos = torch.arange(len(ids), device=tokens.device).unsqueeze(0)
+        hidden = model.decoder(model.embedding(tokens, pos), attention_mask=None)
+        return model.output_layer(hidden)[0][:, 0].float().cpu()
 
 
 def _trainer_logprobs(model, ids):
     """-(per-token loss) of the training forward: log p(ids[t+1] | ids[:t+1])."""
-    tokens, labels = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    dev = _dev(model)
+    tokens, labels = torch.tensor([ids[:-1]], device=dev), torch.tensor([ids[1:]], device=dev)
     with torch.no_grad():
-        return (-model(tokens, torch.arange(len(ids) - 1).unsqueeze(0), None, labels=labels)[0]).tolist()
+        pos = torch.arange(len(ids) - 1, device=dev).unsqueeze(0)
+        return (-model(tokens, pos, None, labels=labels)[0]).tolist()
 
 
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
@@ -42,18 +50,20 @@ def test_cached_decoding_equals_uncached_forward(engine, form):
     into query and output or with keys and values expanded from the latents."""
     eng, model = engine
     ids = torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    dev = _dev(model)
     cache = LatentCache(len(eng.layers), 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim,
-                        torch.float32, "cpu")
+                        torch.float32, dev)
     prefix = 12
     saved, eng.absorb_max_tokens = eng.absorb_max_tokens, (1 << 30 if form == "absorbed" else 0)
     try:
-        parts = [eng.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix).unsqueeze(0), cache,
-                             torch.tensor([0]))[0]]
+        parts = [eng.forward(torch.tensor([ids[:prefix]], device=dev), torch.arange(prefix, device=dev)[None],
+                             cache, torch.tensor([0], device=dev))[0]]
         for t in range(prefix, len(ids)):
-            parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
+            parts.append(eng.forward(torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev), cache,
+                                     torch.tensor([t], device=dev))[0])
     finally:
         eng.absorb_max_tokens = saved
-    torch.testing.assert_close(torch.cat(parts), _full_logits(model, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(parts).cpu(), _full_logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_batched_prompts_of_different_lengths_match_one_by_one(engine):
@@ -127,22 +137,24 @@ def test_latent_cache_is_much_smaller_than_full_kv(engine):
     eng, _ = engine
     cfg = eng.config
     cache = LatentCache(len(eng.layers), 1, 100, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, torch.float32, "cpu")
-    full = len(eng.layers) * 100 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) * 4
+    per_head = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim
+    full = len(eng.layers) * 100 * cfg.num_attention_heads * per_head * 4
     assert cache.bytes() * 3 < full
 
 
 def test_mtp_forward_matches_megatron_mtp_block(engine):
     eng, model = engine
     ids = torch.randint(0, 1024, (14,), generator=torch.Generator().manual_seed(4)).tolist()
-    tokens, pos = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)
+    dev = _dev(model)
+    tokens, pos = torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev).unsqueeze(0)
     with torch.no_grad():
         hidden = model.decoder(model.embedding(tokens, pos), attention_mask=None)
         both = model.mtp(input_ids=tokens, position_ids=pos, hidden_states=hidden, attention_mask=None,
                          embedding=model.embedding)
         reference = model.output_layer(torch.chunk(both, 2, dim=0)[1])[0][:, 0].float()
-    cache = LatentCache(1, 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim, torch.float32, "cpu")
+    cache = LatentCache(1, 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim, torch.float32, dev)
     s = len(ids) - 1  # the last position has no next token to embed
-    ours = eng.mtp_forward(hidden[:s], tokens[:, 1:], pos[:, :s], cache, torch.tensor([0]))[0]
+    ours = eng.mtp_forward(hidden[:s], tokens[:, 1:], pos[:, :s], cache, torch.tensor([0], device=dev))[0]
     torch.testing.assert_close(ours, reference[:s], rtol=1e-5, atol=1e-5)
 
 
@@ -190,10 +202,10 @@ def test_speculative_sampling_keeps_the_main_distribution(engine):
 
 def test_router_shortcut_matches_megatron_router(engine):
     """The engine's few-op routing chooses the experts and weights Megatron-Core's TopKRouter chooses."""
-    eng, _ = engine
+    eng, model = engine
     layer = next(layer for layer in eng.layers if hasattr(layer.mlp, "router"))
     router = layer.mlp.router
-    x = torch.randn(9, eng.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(9, eng.config.hidden_size, generator=torch.Generator().manual_seed(6)).to(_dev(model))
     with torch.no_grad():
         fast = eng._route(router, x, routing=[])
     eng._fast_router[id(router)] = False
@@ -233,7 +245,8 @@ def test_mtp_chain_matches_megatron_mtp_block(engine_mtp2):
     """MTP layer 2 takes MTP layer 1's output and the token two ahead, as Megatron-Core's MTP block does."""
     eng, model = engine_mtp2
     ids = torch.randint(0, 1024, (14,), generator=torch.Generator().manual_seed(9)).tolist()
-    tokens, pos = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)
+    dev = _dev(model)
+    tokens, pos = torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev).unsqueeze(0)
     with torch.no_grad():
         hidden = model.decoder(model.embedding(tokens, pos), attention_mask=None)
         chunks = torch.chunk(model.mtp(input_ids=tokens, position_ids=pos, hidden_states=hidden,
@@ -241,8 +254,9 @@ def test_mtp_chain_matches_megatron_mtp_block(engine_mtp2):
         reference = [model.output_layer(c)[0][:, 0].float() for c in chunks[1:]]
     cache = eng.new_cache(2, 1, 32)
     n = len(ids)
-    first = eng.mtp_hidden(0, hidden[: n - 1], tokens[:, 1:], pos[:, : n - 1], cache, torch.tensor([0]))
-    second = eng.mtp_hidden(1, first[: n - 2], tokens[:, 2:], pos[:, : n - 2], cache, torch.tensor([0]))
+    zero = torch.tensor([0], device=dev)
+    first = eng.mtp_hidden(0, hidden[: n - 1], tokens[:, 1:], pos[:, : n - 1], cache, zero)
+    second = eng.mtp_hidden(1, first[: n - 2], tokens[:, 2:], pos[:, : n - 2], cache, zero)
     torch.testing.assert_close(eng.logits(first)[0], reference[0][: n - 1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eng.logits(second)[0], reference[1][: n - 2], rtol=1e-5, atol=1e-5)
 
@@ -305,11 +319,12 @@ def _NoHostSync():
 def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, rows, monkeypatch):
     from megatron_ext.inference import engine as engine_module
 
-    eng, _ = engine
+    eng, model = engine
     assert engine_module._dense_decode(torch.zeros(64, 8, device="meta"), 8, 384) is False  # not on a GPU
     monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)  # the CPU's host-synced paths, not _moe_all
+    monkeypatch.setattr(eng, "host_sync_free", False)  # the host-synced paths also where the model is on a GPU
     mlp = next(layer.mlp for layer in eng.layers if hasattr(layer.mlp, "router"))
-    h = torch.randn(rows, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    h = torch.randn(rows, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(_dev(model))
     with torch.no_grad():
         sparse = eng._moe(mlp, h, None)
         with pytest.raises(AssertionError, match="host sync"), _NoHostSync():  # the check has teeth
@@ -513,7 +528,9 @@ def test_decode_moe_equals_megatron_moe_layer(engine, tokens, all_experts, monke
         monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)
     called, real_all = [], engine_module._moe_all
     monkeypatch.setattr(engine_module, "_moe_all", lambda *a, **k: called.append(1) or real_all(*a, **k))
+    monkeypatch.setattr(eng, "host_sync_free", False)  # these paths also where the model is on a GPU
     h = torch.randn(tokens, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    h = h.to(_dev(model))
     folded = eng._foldable_shared(mlp, h.view(tokens, -1))
     assert (folded is not None) == (tokens == 1)  # the tiny models' shared expert has the routed experts' shape
     with torch.no_grad():
