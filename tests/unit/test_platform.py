@@ -20,6 +20,40 @@ def test_install_is_idempotent():
     assert sum(isinstance(m, platform._CudaToCpuMode) for m in platform._active_modes()) == mode_count == 1
 
 
+def test_megatron_core_is_loaded_only_when_used_and_bridged_as_soon_as_it_is():
+    """Importing megatron_ext and a tool's own modules loads neither torch nor Megatron-Core (a task generator's
+    `--help` starts in ~0.1 s, not ~5 s); the first import of Megatron-Core, from any module, is followed at once
+    by the bridges; Megatron-Core keeps its own loader. Imported the other way round, the bridges come at once."""
+    code = (
+        "import sys\n"
+        "import megatron_ext\n"
+        "from megatron_ext.env import agent_tasks, grading\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+        "assert not loaded, loaded[:5]\n"
+        "from megatron_ext import platform\n"
+        "assert not platform.is_bridged() and 'megatron.core' not in sys.modules\n"
+        "from megatron.core.transformer.moe import moe_utils\n"
+        "assert platform.is_bridged()\n"
+        "import torch\n"
+        "assert torch.zeros(1, device='cuda').device.type == 'cpu' == torch.cuda.current_device().type\n"
+        "import megatron.core as core\n"
+        "assert core.__loader__ is core.__spec__.loader and type(core.__loader__).__name__ == 'SourceFileLoader'\n"
+        "assert not any(type(f).__name__ == '_AfterImport' for f in sys.meta_path)\n"
+        "print('lazy ok')\n"
+    )
+    first = ("import megatron.core.parallel_state, sys\n"
+             "import megatron_ext\n"
+             "from megatron_ext import platform\n"
+             "import torch\n"
+             "assert platform.is_bridged() and torch.zeros(1, device='cuda').device.type == 'cpu'\n"
+             "print('eager ok')\n")
+    for snippet, said in ((code, "lazy ok"), (first, "eager ok")):
+        env = {k: v for k, v in os.environ.items() if k != "MEGATRON_EXT_FORCE_CPU"}
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", snippet], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0 and said in out.stdout, out.stderr[-3000:]
+
+
 def test_cpu_choices():
     assert platform.bridge_needed()
     assert platform.device() == torch.device("cpu")
