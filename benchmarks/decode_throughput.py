@@ -215,13 +215,16 @@ def weight_read_floor(engine: InferenceEngine, repeats: int = 30) -> tuple[float
     import torch.nn.functional as F
 
     weights = [w.detach() for w in decode_weights(engine)]
-    rows = [torch.randn(1, w.size(1), dtype=w.dtype) for w in weights]
+    rows = [torch.randn(1, w.size(1), dtype=w.dtype, device=w.device) for w in weights]
+    sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)  # a GPU's products are asynchronous
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 3):
+            sync()
             t = time.perf_counter()
             for x, w in zip(rows, weights):
                 F.linear(x, w)
+            sync()
             times.append(time.perf_counter() - t)
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
     return mb, statistics.median(times[3:]) * 1e3
@@ -247,7 +250,7 @@ def random_deepseek(opts, workdir: str):
     import_hf(hf_dir, save, **QUIET)
     destroy()
     engine, _ = load_engine(save)
-    return hf, engine
+    return hf.to(engine.device), engine  # both on the engine's device (a GPU where there is one)
 
 
 def floor_only(opts, workdir: str) -> str:
@@ -301,7 +304,7 @@ def versus_transformers(opts, workdir: str) -> tuple[str, Figure]:
     hf, engine = random_deepseek(opts, workdir)
     hidden = opts.hidden
     prompt = torch.randint(0, 8192, (opts.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=engine.device)
 
     def ours(tokens: int):
         return engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0))[0].token_ids

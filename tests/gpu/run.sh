@@ -184,6 +184,8 @@ run_step engine-hf-server 150 "" "$G" -k "hf_import or server_answers"
 run_step kda-fla 150 "^KDA-FLA" tests/gpu/test_kda_fla.py
 # 10. one K2.5-width MoE layer at 4096 tokens: activation memory per token, for planning.py
 run_step moe-layer-memory 90 "^MOE-LAYER" "$P" -k k25_width
+# 11. issue 32's decode benchmark (a) on the GPU: ours vs transformers generate, same tokens, the weight-read floor
+run_step decode-speed 120 "^DECODE" "$G" -k decode_speed
 # then, as the budget allows: the CPU-written suites with the model on the GPU, and the forced-CPU path here
 run_step inference-on-gpu 90 "" tests/unit/test_inference.py tests/unit/test_server.py
 export MEGATRON_EXT_FORCE_CPU=1

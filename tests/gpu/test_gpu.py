@@ -221,3 +221,17 @@ def test_a_local_checkpoint_loads_under_transformer_engine_and_back(tmp_path):
         assert torch.equal(losses(back[0]), losses(local[0]))
     finally:
         destroy()
+
+
+def test_decode_speed_against_transformers_on_the_gpu(tmp_path):
+    """Issue 32's (a) on the GPU: our engine's greedy decoding ÷ transformers `generate` on the same weights (fp32,
+    batch 1, both on the GPU), which must produce the same tokens, with the one-row weight-read floor timed with
+    synchronisation; the benchmark's line goes into the summary (DECODE)."""
+    from tests.unit.data_fixtures import load_tool
+
+    bench = load_tool("decode_throughput", "benchmarks")
+    opts = bench.parser().parse_args(["--only", "a", "--tokens", "64", "--repeats", "3"])
+    line, figure = bench.versus_transformers(opts, str(tmp_path))
+    print("DECODE " + line, flush=True)
+    assert "same tokens: True" in line, line
+    assert figure.lo > 0 and "weight-read floor" in line
