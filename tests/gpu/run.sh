@@ -186,6 +186,8 @@ run_step kda-fla 150 "^KDA-FLA" tests/gpu/test_kda_fla.py
 run_step moe-layer-memory 90 "^MOE-LAYER" "$P" -k k25_width
 # 11. issue 32's decode benchmark (a) on the GPU: ours vs transformers generate, same tokens, the weight-read floor
 run_step decode-speed 120 "^DECODE" "$G" -k decode_speed
+# 12. RL on the GPU: rl_composer.py's synchronous GRPO with routing replay, fp32 and bf16 (sampler vs trainer)
+run_step rl 150 "^RL-GPU" "$G" -k rl_composer
 # then, as the budget allows: the CPU-written suites with the model on the GPU, and the forced-CPU path here
 run_step inference-on-gpu 90 "" tests/unit/test_inference.py tests/unit/test_server.py
 export MEGATRON_EXT_FORCE_CPU=1

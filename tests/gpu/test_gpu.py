@@ -235,3 +235,36 @@ def test_decode_speed_against_transformers_on_the_gpu(tmp_path):
     print("DECODE " + line, flush=True)
     assert "same tokens: True" in line, line
     assert figure.lo > 0 and "weight-read floor" in line
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rl_composer_trains_on_the_gpu(tmp_path, precision):
+    """rl_composer.py's synchronous GRPO on the GPU (no Ray: the trainer samples with its own engine between
+    steps), with routing replay: the digit task, 3 steps of 2 prompts x 4 samples; every prompt trained once, the
+    rewards parsed from the sampled tokens, log-probabilities <= 0, and the sampler's log-probabilities against
+    the trainer's (mismatch_max; fp32: within 1e-3, bf16 printed) with the replayed experts the trainer's own."""
+    from megatron_ext.rl.env import digit_tasks, write_prompts
+
+    prompts, logs = str(tmp_path / "prompts.jsonl"), str(tmp_path / "logs")
+    write_prompts(prompts, digit_tasks("train", 6, seed=7))
+    flags = ["--model", "tiny", "--vocab-size", "32", "--seq-length", "64", "--micro-batch-size", "4",
+             "--grpo-group-size", "4", "--grpo-prompts-per-step", "2", "--grpo-max-response-length", "8",
+             "--lr", "1e-3", "--rl-prompts", prompts, "--rl-log-dir", logs, "--train-iters", "10",
+             "--rl-routing-replay"] + (["--bf16"] if precision == "bf16" else [])
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-W", "ignore", "rl_composer.py", *flags], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "all 6 prompts of --rl-prompts trained once: stopping at iteration 3" in p.stdout, p.stdout[-3000:]
+    steps = [line for line in p.stdout.splitlines() if "mismatch_max" in line]
+    mismatch = [float(line.split("mismatch_max: ")[1].split()[0]) for line in steps]
+    agreement = [float(line.split("routing replay agreement: ")[1].split()[0]) for line in steps]
+    print(f"RL-GPU {precision}: mismatch_max {max(mismatch):.2e}, routing replay agreement {min(agreement):.4f}")
+    assert len(steps) == 3
+    if precision == "fp32":
+        assert max(mismatch) < 1e-3 and min(agreement) > 0.999
+    trained = [json.loads(line) for line in open(os.path.join(logs, "trained_groups.jsonl"))]
+    assert sorted(r["prompt_id"] for r in trained) == sorted(t["id"] for t in digit_tasks("train", 6, seed=7))
+    rollouts = [json.loads(line) for line in open(os.path.join(logs, "rollouts.jsonl"))]
+    assert len(rollouts) == 24 and all(lp <= 0 for r in rollouts for lp in r["logprobs"])
+    assert all(r["reward_error"] is None and "exact" in r["reward_parts"] for r in rollouts)
