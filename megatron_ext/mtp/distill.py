@@ -165,4 +165,4 @@ def pop_metrics(num_microbatches: int) -> dict[str, float]:
     dist.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     values /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     _METRICS.clear()
-    return {n: float(v) for n, v in zip(names, values)}
+    return dict(zip(names, values.tolist()))  # one read back for all of them

@@ -173,12 +173,14 @@ def eval_step(forward_step_func: Callable, data_iterator: Iterator, model: list[
 
 
 def _token_means(outputs: list[dict]) -> dict[str, float]:
-    out = {}
-    for name in sorted(outputs[0]) if outputs else []:
-        s = torch.stack([o[name] for o in outputs]).sum(0).float()
-        torch.distributed.all_reduce(s, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        out[name] = float(s[0] / s[1])
-    return out
+    """Each loss's (sum, tokens) over the micro-batches and data-parallel ranks as a mean: one all-reduce and one
+    read back to the host for all of them (a read per loss is a device sync per loss on a GPU)."""
+    names = sorted(outputs[0]) if outputs else []
+    if not names:
+        return {}
+    sums = torch.stack([torch.stack([o[name] for o in outputs]).sum(0).float() for name in names])
+    torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return dict(zip(names, (sums[:, 0] / sums[:, 1]).tolist()))
 
 
 def _broadcast_from_last_stage(box: list):
