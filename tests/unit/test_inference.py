@@ -322,6 +322,7 @@ def test_gpu_decode_moe_has_no_host_sync_and_matches_the_sparse_path(engine, row
     eng, model = engine
     assert engine_module._dense_decode(torch.zeros(64, 8, device="meta"), 8, 384) is False  # not on a GPU
     monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)  # the CPU's host-synced paths, not _moe_all
+    monkeypatch.setattr(engine_module, "_HOST_GROUPED_MM", False)  # nor torch's grouped GEMM (its sync is in C++)
     monkeypatch.setattr(eng, "host_sync_free", False)  # the host-synced paths also where the model is on a GPU
     mlp = next(layer.mlp for layer in eng.layers if hasattr(layer.mlp, "router"))
     h = torch.randn(rows, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(_dev(model))
@@ -513,19 +514,24 @@ def test_rope_rotates_the_pairs_megatron_core_rotates_and_keeps_them_interleaved
                                (megatron[:, :, :1] * megatron[:, :, 1:2]).sum(-1), **tol)
 
 
-@pytest.mark.parametrize("all_experts", [True, False])
+@pytest.mark.parametrize("path", ["all-experts", "grouped-mm", "expert-loop"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_decode_moe_equals_megatron_moe_layer(engine, tokens, all_experts, monkeypatch):
-    """The engine's CPU paths of the routed experts against Megatron-Core's MoE layer itself: one token (its shared
-    expert summed with them in one pass); several tokens with every expert run on every token (small experts,
-    `_moe_all`), or else token by token (up to _FEW_TOKENS) or grouped by expert."""
+def test_decode_moe_equals_megatron_moe_layer(engine, tokens, path, monkeypatch):
+    """The engine's host-synced paths of the routed experts against Megatron-Core's MoE layer itself: one token
+    (its shared expert summed with them in one pass); several tokens with every expert run on every token (small
+    experts, `_moe_all`), or else token by token (up to _FEW_TOKENS), or more tokens grouped by expert: torch's
+    grouped GEMM over the stacked experts, or a loop over the experts touched."""
     from megatron_ext.inference import engine as engine_module
 
     eng, model = engine
     layer = next(layer for layer in eng.layers if getattr(layer.mlp, "router", None) is not None)
     mlp = layer.mlp
+    all_experts = path == "all-experts"
     if not all_experts:
         monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)
+    monkeypatch.setattr(engine_module, "_HOST_GROUPED_MM", path != "expert-loop")
+    grouped, real_indexed = [], engine_module._moe_indexed
+    monkeypatch.setattr(engine_module, "_moe_indexed", lambda *a: grouped.append(a[6]) or real_indexed(*a))
     called, real_all = [], engine_module._moe_all
     monkeypatch.setattr(engine_module, "_moe_all", lambda *a, **k: called.append(1) or real_all(*a, **k))
     monkeypatch.setattr(eng, "host_sync_free", False)  # these paths also where the model is on a GPU
@@ -541,5 +547,7 @@ def test_decode_moe_equals_megatron_moe_layer(engine, tokens, all_experts, monke
     else:
         got = eng._moe(mlp, h, None)
     assert bool(called) == (all_experts and tokens > 1)
+    on_cpu_grouped = path == "grouped-mm" and tokens > engine_module._FEW_TOKENS and h.device.type == "cpu"
+    assert grouped == ([True] if on_cpu_grouped else [])  # a GPU keeps its own paths
     assert got.shape == h.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
