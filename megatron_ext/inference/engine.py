@@ -315,9 +315,14 @@ def _grouped_kernel(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def _routing_matrix(chosen, weights, first: int, n: int, descending: bool = False) -> torch.Tensor:
+def _routing_matrix(chosen, weights, first: int, n: int, descending: bool = False,
+                    total: Optional[int] = None) -> torch.Tensor:
     """[T, n] routing weights of this rank's n experts (column i: local expert i, or n - 1 - i when
-    `descending`), zero where a token did not choose the expert; built on the device."""
+    `descending`), zero where a token did not choose the expert; built on the device. `total`: the layer's
+    number of experts; when this rank holds them all, every choice is local (2-3 ops instead of 9)."""
+    if first == 0 and n == total:  # a token's top-k experts are distinct: scatter, no accumulation or masking
+        slot = (n - 1 - chosen) if descending else chosen
+        return torch.zeros(chosen.size(0), n, dtype=weights.dtype, device=weights.device).scatter_(1, slot, weights)
     local = chosen - first
     mine = (local >= 0) & (local < n)
     slot = (n - 1 - local) if descending else local
@@ -325,9 +330,9 @@ def _routing_matrix(chosen, weights, first: int, n: int, descending: bool = Fals
     return gate.scatter_add_(1, slot.clamp(0, n - 1), torch.where(mine, weights, torch.zeros_like(weights)))
 
 
-def _moe_dense(flat, chosen, weights, experts, first: int) -> torch.Tensor:
+def _moe_dense(flat, chosen, weights, experts, first: int, total: Optional[int] = None) -> torch.Tensor:
     """sum over this rank's experts e of (routing weight of e per token) * expert_e(x), without host syncs."""
-    gate = _routing_matrix(chosen, weights, first, len(experts))
+    gate = _routing_matrix(chosen, weights, first, len(experts), total=total)
     out = torch.zeros_like(flat)
     for e, (fc1, fc2) in enumerate(experts):
         out.addcmul_(_swiglu(flat, fc1, fc2), gate[:, e: e + 1])
@@ -361,11 +366,11 @@ def _moe_indexed(flat, chosen, weights, fc1: torch.Tensor, fc2: torch.Tensor, fi
 
 
 def _moe_all(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
-             first: int, descending: bool = False) -> torch.Tensor:
+             first: int, descending: bool = False, total: Optional[int] = None) -> torch.Tensor:
     """sum_e p_e * expert_e(x) for every token of `flat` [T, h] with every local expert computed (weight 0 where
     it was not chosen): batched matmuls over the experts stacked [E, 2 ffn, h] and [E, h, ffn] (`_ExpertStack`;
-    `descending`: stack[i] is local expert E - 1 - i), no per-expert host work."""
-    gate = _routing_matrix(chosen, weights, first, fc1.size(0), descending)  # in the stack's order
+    `descending`: stack[i] is local expert E - 1 - i), no per-expert host work. `total`: the layer's experts."""
+    gate = _routing_matrix(chosen, weights, first, fc1.size(0), descending, total)  # in the stack's order
     h = torch.matmul(flat, fc1.transpose(1, 2))  # [E, T, 2 ffn]
     g, u = h.chunk(2, dim=-1)
     a = F.silu(g).mul_(u).mul_(gate.t().unsqueeze(-1))  # [E, T, ffn], weighted
@@ -450,8 +455,10 @@ class _ExpertStack:
         """Still views of the experts' memory (a model moved or reloaded into new tensors breaks them)."""
         if self.fc1 is None or self.fc2 is None:
             return False
-        ends = ((0, -1), (-1, 0)) if self.descending else ((0, 0), (-1, -1))
-        return all(stack[i].data_ptr() == self.experts[e][j].data_ptr()
+        n = len(self.experts)
+        ends = ((0, n - 1), (n - 1, 0)) if self.descending else ((0, 0), (n - 1, n - 1))
+        # stack[i]'s address from the stack's own (indexing it would be an op per check, every forward)
+        return all(stack.data_ptr() + i * stack.stride(0) * stack.element_size() == self.experts[e][j].data_ptr()
                    for stack, j in ((self.fc1, 0), (self.fc2, 1)) for i, e in ends)
 
 
@@ -477,6 +484,7 @@ class _Step:
     start: Optional[int]  # batch of one: the new rows are [start, start + s)
     mask: Optional[torch.Tensor]  # [b, 1, s, total] visible keys; None when all are
     absorbed: bool
+    hide: Optional[torch.Tensor] = None  # ~mask, made once per step for the layers' masked_fill_
     valid: Optional[torch.Tensor] = None  # [b, s] real (not right-padding) tokens, for KDA states; None: all
     rope: dict = field(default_factory=dict)
 
@@ -592,7 +600,9 @@ class InferenceEngine:
         if b > 1 or s > 1:  # a batch of one decoding one token sees every cached row
             mask = (torch.arange(total, device=positions.device).view(1, 1, total) <= positions.unsqueeze(-1))
             mask = mask.unsqueeze(1)
-        return _Step(positions, lengths, total, start, mask, absorbed=s <= self.absorb_max_tokens, valid=valid)
+        absorbed = s <= self.absorb_max_tokens
+        return _Step(positions, lengths, total, start, mask, absorbed=absorbed, valid=valid,
+                     hide=~mask if absorbed and mask is not None else None)
 
     def _rope_for(self, attn: MLASelfAttention, step: _Step, length: int):
         """The rotation `_rope` applies at the step's positions, [s, b, 1, rope_dim / 2]: complex numbers, or
@@ -636,23 +646,23 @@ class InferenceEngine:
             q = F.linear(_fused_norm(attn.linear_q_up_proj, q_latent), attn.linear_q_up_proj.weight)
         else:
             q = F.linear(h, attn.linear_q_proj.weight)
-        q = q.view(s, b, n, dn + dr)
-        kv = F.linear(h, attn.linear_kv_down_proj.weight)  # [s, b, r + dr]
-        latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv[..., :r]))  # what is cached
+        q_nope, q_rope = q.view(s, b, n, dn + dr).split((dn, dr), dim=-1)  # split, narrow: one op for two views
+        kv_latent, kv_rope = F.linear(h, attn.linear_kv_down_proj.weight).split((r, dr), dim=-1)
+        latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv_latent))  # what is cached
         rotation = self._rope_for(attn, step, cache_kv.size(1))
-        pe = _rope(torch.cat((q[..., dn:], kv[..., r:].unsqueeze(2)), dim=2), rotation)  # [s, b, n + 1, dr]
+        pe = _rope(torch.cat((q_rope, kv_rope.unsqueeze(2)), dim=2), rotation)  # [s, b, n + 1, dr]
         new = torch.cat((latent, pe[:, :, n]), dim=-1).transpose(0, 1)  # [b, s, r + dr]
-        if step.start is not None:
-            cache_kv[0, step.start: step.start + s] = new[0]
+        if step.start is not None:  # one row
+            cache_kv.narrow(1, step.start, s).copy_(new)
         else:
             slots = step.lengths.unsqueeze(1) + torch.arange(s, device=h.device).unsqueeze(0)
             cache_kv[torch.arange(b, device=h.device).unsqueeze(1), slots] = new
-        cached = cache_kv[:, : step.total]  # [b, t, r + dr]
+        cached = cache_kv.narrow(1, 0, step.total)  # [b, t, r + dr]
         if step.absorbed:
-            out = self._absorbed(q[..., :dn], pe[:, :, :n], cached, self._kv_up(attn), step, attn.softmax_scale)
+            out = self._absorbed(q_nope, pe[:, :, :n], cached, self._kv_up(attn), step, attn.softmax_scale)
         else:
             w_kv_up = attn.linear_kv_up_proj.weight
-            out = self._expanded(q[..., :dn], pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
+            out = self._expanded(q_nope, pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
         return F.linear(out, attn.linear_proj.weight)
 
     def _kv_up(self, attn: MLASelfAttention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -678,7 +688,7 @@ class InferenceEngine:
             query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1).transpose(0, 1)  # [b, n, r + dr]
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
             if step.mask is not None:  # [b, 1, 1, t] -> over the heads
-                scores.masked_fill_(~step.mask.view(b, 1, t), -math.inf)
+                scores.masked_fill_(step.hide.view(b, 1, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
             out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
             return out.transpose(0, 1).reshape(1, b, -1)
@@ -687,7 +697,7 @@ class InferenceEngine:
             query = torch.cat((q_latent, q_pe[:, 0].transpose(0, 1)), dim=-1).view(1, n * s, -1)
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
             if step.mask is not None:  # [1, 1, s, t] -> over the heads
-                scores.view(n, s, t).masked_fill_(~step.mask.view(1, s, t), -math.inf)
+                scores.view(n, s, t).masked_fill_(step.hide.view(1, s, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [1, n * s, r]
             out = torch.bmm(out_latent.view(n, s, r), w_uv_t)  # [n, s, dv]
             return out.transpose(0, 1).reshape(s, 1, -1)
@@ -697,7 +707,7 @@ class InferenceEngine:
         query = query.view(n, b, s, -1).transpose(0, 1).reshape(b, n * s, -1)
         scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
         if step.mask is not None:
-            scores = scores.view(b, n, s, t).masked_fill_(~step.mask, -math.inf).view(b, n * s, t)
+            scores = scores.view(b, n, s, t).masked_fill_(step.hide, -math.inf).view(b, n * s, t)
         out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n*s, r]
         out_latent = out_latent.view(b, n, s, r).transpose(0, 1).reshape(n, b * s, r)
         out = torch.bmm(out_latent, w_uv_t)  # [n, b*s, dv]
@@ -807,12 +817,13 @@ class InferenceEngine:
         if stack is not None and _grouped_kernel(flat):
             out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, True, stack.descending)
         elif _dense_decode(flat, chosen.size(1), self.config.num_moe_experts, sync_free):
-            out = _moe_dense(flat, chosen, weights, experts, first)
+            out = _moe_dense(flat, chosen, weights, experts, first, self.config.num_moe_experts)
         elif stack is not None and flat.size(0) * chosen.size(1) < len(experts):
             out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, False, stack.descending)
         elif (1 < flat.size(0) and flat.size(0) * self._expert_bytes(mlp) <= _ALL_EXPERTS_MAX_WORK
               and (stack := self._expert_stack(mlp)) is not None):
-            out = _moe_all(flat, chosen, weights, stack.fc1, stack.fc2, first, stack.descending)
+            out = _moe_all(flat, chosen, weights, stack.fc1, stack.fc2, first, stack.descending,
+                           self.config.num_moe_experts)
         elif flat.size(0) <= _FEW_TOKENS:  # decode and verify steps: token by token, no regrouping
             shared = self._foldable_shared(mlp, flat)
             per_token = [_moe_token(x, e, w, experts, first, shared)
