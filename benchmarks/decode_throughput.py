@@ -283,6 +283,30 @@ def op_counts(engine: InferenceEngine, prompts: list[list[int]], tokens: int) ->
     return sum(per_step.values()), per_step
 
 
+def forward_op_count(engine: InferenceEngine, new: int, context: int = 32) -> int:
+    """Top-level torch ops of one batch-1 forward of `new` tokens after `context` cached ones (a plain decode step
+    for 1, a speculative verify of the newest token and its drafts for 1 + D), logits included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = (torch.arange(context + new, device=engine.device) * 7919 % engine.vocab_size).unsqueeze(0)
+    cache = engine.new_cache(len(engine.layers), 1, context + new)
+
+    def positions(start, count):
+        return torch.arange(start, start + count, device=engine.device).unsqueeze(0)
+
+    def at(n):
+        return torch.full((1,), n, dtype=torch.long, device=engine.device)
+
+    with torch.inference_mode(), engine.generating():
+        engine.hidden(ids[:, :context], positions(0, context), cache, at(0), host_lengths=[0])
+        run = lambda: engine.logits(engine.hidden(ids[:, context:], positions(context, new), cache,  # noqa: E731
+                                                  at(context), host_lengths=[context]))
+        run()  # one-time set-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+
 OPS_BATCHES = (1, 8)
 
 
@@ -295,6 +319,9 @@ def ops_only(opts, workdir: str) -> str:
         total, per_step = op_counts(engine, prompts, opts.tokens)
         top = ", ".join(f"{name.removeprefix('aten::')} {n:.1f}" for name, n in per_step.most_common(12))
         lines.append(f"batch {batch}: {total:.1f} top-level torch ops per decode step; most frequent: {top}")
+    step, verify = forward_op_count(engine, 1), forward_op_count(engine, 2)
+    lines.append(f"batch 1 after 32 cached tokens: a forward of 1 token {step} ops, a verify of 1 + 1 tokens "
+                 f"{verify} ops ({verify / step:.2f} steps)")
     destroy()
     return (f"(a)'s model (hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4), ours, prompt "
             f"{opts.prompt_length}, {opts.tokens} new tokens:\n  " + "\n  ".join(lines))

@@ -687,7 +687,7 @@ class InferenceEngine:
             q_latent = torch.bmm(q_nope[0].transpose(0, 1), w_uk)  # [n, b, r]
             query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1).transpose(0, 1)  # [b, n, r + dr]
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-            if step.mask is not None:  # [b, 1, 1, t] -> over the heads
+            if step.hide is not None:  # [b, 1, 1, t] -> over the heads
                 scores.masked_fill_(step.hide.view(b, 1, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
             out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
@@ -696,7 +696,7 @@ class InferenceEngine:
             q_latent = torch.bmm(q_nope[:, 0].transpose(0, 1), w_uk)  # [n, s, r]
             query = torch.cat((q_latent, q_pe[:, 0].transpose(0, 1)), dim=-1).view(1, n * s, -1)
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-            if step.mask is not None:  # [1, 1, s, t] -> over the heads
+            if step.hide is not None:  # [1, 1, s, t] -> over the heads
                 scores.view(n, s, t).masked_fill_(step.hide.view(1, s, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [1, n * s, r]
             out = torch.bmm(out_latent.view(n, s, r), w_uv_t)  # [n, s, dv]
@@ -706,7 +706,7 @@ class InferenceEngine:
         query = torch.cat((q_latent, q_pe.permute(heads_first).reshape(n, b * s, -1)), dim=-1)
         query = query.view(n, b, s, -1).transpose(0, 1).reshape(b, n * s, -1)
         scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-        if step.mask is not None:
+        if step.hide is not None:
             scores = scores.view(b, n, s, t).masked_fill_(step.hide, -math.inf).view(b, n * s, t)
         out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n*s, r]
         out_latent = out_latent.view(b, n, s, r).transpose(0, 1).reshape(n, b * s, r)
