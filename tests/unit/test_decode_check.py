@@ -73,7 +73,7 @@ def test_a_deeper_stand_in_trains_at_a_lower_learning_rate_unless_told(bench):
 
 def test_op_counts_are_per_decoded_token_and_do_not_depend_on_the_length(bench):
     """`--only ops`: the count excludes the prompt's forward and first token, so it is the same for 5 and 9 new
-    tokens, and it holds the decode step's matrix products."""
+    tokens, and it holds the decode step's matrix products; a one-token forward and a verify are counted alike."""
     import torch
 
     from megatron_ext.arguments import parse_args
@@ -90,8 +90,12 @@ def test_op_counts_are_per_decoded_token_and_do_not_depend_on_the_length(bench):
         prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
         short, short_kinds = bench.op_counts(engine, [prompt], 5)
         long, long_kinds = bench.op_counts(engine, [prompt], 9)
+        step, verify = bench.forward_op_count(engine, 1), bench.forward_op_count(engine, 2)
     finally:
         destroy()
+    # a decode step is one forward of one token plus the sampling; a verify of 1 + 1 tokens is one forward too
+    assert step < short < step + 40
+    assert step <= verify < 1.5 * step
     assert short == pytest.approx(sum(short_kinds.values()))
     assert long == pytest.approx(short)
     # attention projections of every layer, the dense MLP, the output layer: at least a few per layer
