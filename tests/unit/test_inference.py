@@ -486,6 +486,27 @@ def test_sync_free_experts_skip_other_ranks_experts(grouped, descending):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
+def test_all_experts_moe_on_one_rank_weights_each_token_by_its_own_choices(descending):
+    """`_moe_all` with every expert on this rank (the routing matrix made by one scatter) against each token's
+    chosen experts summed one by one, in either stack order."""
+    from megatron_ext.inference.engine import _moe_all, _swiglu
+
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(4, 8, generator=g)
+    chosen = torch.tensor([[0, 5], [7, 2], [3, 6], [5, 1]])
+    weights = torch.rand(4, 2, generator=g)
+    fc1, fc2 = torch.randn(8, 16, 8, generator=g), torch.randn(8, 8, 8, generator=g)
+    expected = torch.stack([sum(w * _swiglu(flat[t: t + 1], fc1[e], fc2[e])[0]
+                                for e, w in zip(chosen[t].tolist(), weights[t].tolist())) for t in range(4)])
+    if descending:
+        fc1, fc2 = fc1.flip(0), fc2.flip(0)
+    got = _moe_all(flat, chosen, weights, fc1, fc2, 0, descending, total=8)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if descending:  # the wrong order gives another sum
+        assert not torch.allclose(_moe_all(flat, chosen, weights, fc1, fc2, 0, False, total=8), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_the_pairs_megatron_core_rotates_and_keeps_them_interleaved(dtype):
     """The engine's rope (one complex product in fp32, cos/sin in bf16) gives Megatron-Core's MLA rope up to the
