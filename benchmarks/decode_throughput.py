@@ -16,7 +16,8 @@
 
     By default speculation steps aside where drafting is not expected to pay (`--speculation auto`: measured
     draft and verify costs against a plain step, and the acceptance observed; the decision is printed);
-    `--speculation always` times drafting itself. `--num-layers N` trains an N-layer stand-in.
+    `--speculation always` times drafting itself. `--num-layers N` trains an N-layer stand-in, `--mtp-num-layers
+    D` gives it D MTP layers (D drafts a round), `--save DIR` keeps it for later runs with `--load DIR`.
 
 Timings alternate between the two sides of each ratio (one run of each per repeat, after a warm-up) and report
 medians, so that load from other jobs on a shared machine hits both sides alike.
@@ -27,7 +28,7 @@ falls outside the recorded paired-run range has moved, and the exit status is 1 
 
     python benchmarks/decode_throughput.py [--only a|b|floor|ops] [--tokens 64] [--repeats 5] [--threads 2] [--check]
     python benchmarks/decode_throughput.py --only b --load CKPT --prompts-from /usr/lib/python3.11/json/decoder.py
-    python benchmarks/decode_throughput.py --only b --num-layers 16
+    python benchmarks/decode_throughput.py --only b --num-layers 16 [--mtp-num-layers 2] [--save DIR]
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def alternate(first, second, repeats: int) -> tuple[list[float], list[float]]:
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 # options that do not change what a ratio measures
-_NOT_COMPARED = {"check", "repeats", "only", "docs"}
+_NOT_COMPARED = {"check", "repeats", "only", "docs", "save"}
 
 
 class Figure:
@@ -411,8 +412,14 @@ def stand_in_lr(opts) -> float:
 
 
 def trained_stand_in(opts, workdir: str) -> str:
-    save = os.path.join(workdir, "trained")
+    """Train the stand-in (in `workdir`, or in --save to keep it); its checkpoint directory."""
+    save = opts.save or os.path.join(workdir, "trained")
+    if opts.save and os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")):
+        raise SystemExit(f"--save {save} already holds a checkpoint: measure it with --load {save}, or name "
+                         "another directory")
     layers = ["--num-layers", str(opts.num_layers)] if opts.num_layers else []
+    if opts.mtp_num_layers is not None:
+        layers += ["--mtp-num-layers", str(opts.mtp_num_layers)]
     lr = stand_in_lr(opts)
     assert entry.main(["--model", "tiny", "--mock-data", *layers, "--train-iters", str(opts.train_iters),
                        "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", str(lr), "--lr-warmup-iters",
@@ -448,6 +455,7 @@ def speculative(opts, workdir: str) -> tuple[str, Figure]:
     tokens = opts.tokens * len(prompts)
     by_depth = ", ".join(f"{a / max(c, 1):.3f}" for a, c in zip(stats.accepted_by_depth, stats.checked_by_depth))
     layers = f", {opts.num_layers} layers" if opts.num_layers else ""
+    layers += f", {opts.mtp_num_layers} MTP layers" if opts.mtp_num_layers is not None else ""
     model = (f"{load}" if opts.load else f"tiny preset{layers} trained {opts.train_iters} iterations on mock data "
              f"here at lr {stand_in_lr(opts):g}")
     return (f"(b) MTP speculative vs plain greedy ({model}; {source}; {opts.tokens} new tokens each; "
@@ -485,6 +493,11 @@ def parser() -> argparse.ArgumentParser:
                                                                  "tenth; default: 1e-2, 3e-3 above 4 layers)")
     g.add_argument("--num-layers", type=int, default=None, help="decoder layers of the stand-in (default: the "
                                                                 "tiny preset's 4)")
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="MTP layers of the stand-in, each drafting "
+                                                                    "one more token a round (default: the tiny "
+                                                                    "preset's 1)")
+    g.add_argument("--save", default=None, help="keep the trained stand-in in this directory (measure it again "
+                                                "with --load DIR; default: a temporary directory)")
     g.add_argument("--speculation", choices=["auto", "always"], default="auto",
                    help="auto: decode plainly where drafting is not expected to pay; always: draft")
     p.add_argument("--check", action="store_true", help="compare the ratios with the last ones recorded for the "
@@ -497,6 +510,11 @@ def main(argv=None):
     opts = parser().parse_args(argv)
     if opts.check and opts.only in ("floor", "ops"):
         raise SystemExit(f"--check compares the ratios of (a) and (b); --only {opts.only} has none")
+    if opts.load and (opts.save or opts.mtp_num_layers is not None or opts.num_layers):
+        raise SystemExit("--save, --mtp-num-layers and --num-layers shape the stand-in trained here; with --load "
+                         "the checkpoint is measured as it is")
+    if opts.mtp_num_layers is not None and opts.mtp_num_layers < 1:
+        raise SystemExit(f"--mtp-num-layers {opts.mtp_num_layers}: speculation needs at least one MTP layer")
     if opts.check and not os.path.isfile(opts.docs):
         raise SystemExit(f"--check: {opts.docs} does not exist")
     torch.set_num_threads(opts.threads)

@@ -101,3 +101,35 @@ def test_op_counts_are_per_decoded_token_and_do_not_depend_on_the_length(bench):
     # attention projections of every layer, the dense MLP, the output layer: at least a few per layer
     assert short_kinds["aten::linear"] >= 3 * args.num_layers
     assert 50 < short < 2000
+
+
+def test_stand_in_mtp_layers_are_a_measured_option_and_save_is_not(bench):
+    """(b)'s stand-in with --mtp-num-layers 2 drafts two tokens a round: another measurement than the preset's one
+    MTP layer, so --check must not compare the two; --save only keeps the checkpoint."""
+    one = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16")
+    two = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16 --mtp-num-layers 2")
+    kept = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16 --save /tmp/x")
+    assert one != two and two["mtp_num_layers"] == 2 and kept == one
+    table = TABLE + ("\n| date | machine | command | ratio | paired runs |\n|---|---|---|---|---|\n"
+                     "| 2026-12-05 | VM | `python benchmarks/decode_throughput.py --only b --num-layers 16 "
+                     "--mtp-num-layers 2` | (b) 1.60x | 1.50-1.70 |\n")
+    lines, _ = bench.compare([bench.Figure("b", 1.55, 1.4, 1.7)], two, table)
+    assert "recorded 2026-12-05 1.60x" in lines[0]
+    lines, _ = bench.compare([bench.Figure("b", 1.55, 1.4, 1.7)], one, table)
+    assert lines == ["check (b): no recorded figure for these options"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "b", "--load", "CKPT", "--mtp-num-layers", "2"], "with --load the checkpoint is measured as it is"),
+    (["--only", "b", "--load", "CKPT", "--save", "DIR"], "with --load the checkpoint is measured as it is"),
+    (["--only", "b", "--mtp-num-layers", "0"], "needs at least one MTP layer"),
+])
+def test_stand_in_options_that_cannot_apply_are_refused_before_any_work(bench, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv)
+
+
+def test_save_refuses_a_directory_that_already_holds_a_checkpoint(bench, tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1000")
+    with pytest.raises(SystemExit, match="already holds a checkpoint"):
+        bench.trained_stand_in(bench.parser().parse_args(["--only", "b", "--save", str(tmp_path)]), str(tmp_path))
