@@ -12,7 +12,8 @@
     With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
     at line starts from a --prompts-from text/code file and tokenised with the checkpoint's tokenizer (or
     --tokenizer-model). Without --load: a stand-in, the tiny preset trained here on the mock arithmetic-progression
-    data with the MTP loss on.
+    data with the MTP loss on, over sequences long enough to hold a prompt and its new tokens (with --load, a
+    checkpoint trained on shorter sequences is measured, with a warning in the report).
 
     By default speculation steps aside where drafting is not expected to pay (`--speculation auto`: measured
     draft and verify costs against a plain step, and the acceptance observed; the decision is printed);
@@ -411,6 +412,23 @@ def stand_in_lr(opts) -> float:
     return 3e-3 if opts.num_layers and opts.num_layers > 4 else 1e-2
 
 
+def stand_in_seq_length(opts) -> int:
+    """The stand-in's training sequence length: the smallest power of two, at least the tiny preset's 64, that
+    holds a prompt and its new tokens. Decoding past the trained positions measures extrapolation, not
+    speculation: a 16-layer stand-in trained at 64 accepted all drafts below position 64 and 0.42 past 80, where
+    the main model itself left the progression (docs/benchmarks.md)."""
+    need = opts.prompt_length + opts.tokens
+    seq = 64
+    while seq < need:
+        seq *= 2
+    return seq
+
+
+def stand_in_global_batch(seq: int) -> int:
+    """1024 tokens a step (16 sequences of 64, 8 of 128), at least one micro-batch of 8 sequences."""
+    return max(8, 16 * 64 // seq)
+
+
 def trained_stand_in(opts, workdir: str) -> str:
     """Train the stand-in (in `workdir`, or in --save to keep it); its checkpoint directory."""
     save = opts.save or os.path.join(workdir, "trained")
@@ -421,9 +439,11 @@ def trained_stand_in(opts, workdir: str) -> str:
     if opts.mtp_num_layers is not None:
         layers += ["--mtp-num-layers", str(opts.mtp_num_layers)]
     lr = stand_in_lr(opts)
-    assert entry.main(["--model", "tiny", "--mock-data", *layers, "--train-iters", str(opts.train_iters),
-                       "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", str(lr), "--lr-warmup-iters",
-                       "10", "--min-lr", str(lr / 10), "--log-interval", str(opts.train_iters), "--save", save]) == 0
+    seq = stand_in_seq_length(opts)
+    assert entry.main(["--model", "tiny", "--mock-data", *layers, "--seq-length", str(seq), "--train-iters",
+                       str(opts.train_iters), "--micro-batch-size", "8", "--global-batch-size",
+                       str(stand_in_global_batch(seq)), "--lr", str(lr), "--lr-warmup-iters", "10", "--min-lr",
+                       str(lr / 10), "--log-interval", str(max(1, opts.train_iters // 10)), "--save", save]) == 0
     destroy()
     return save
 
@@ -457,14 +477,17 @@ def speculative(opts, workdir: str) -> tuple[str, Figure]:
     layers = f", {opts.num_layers} layers" if opts.num_layers else ""
     layers += f", {opts.mtp_num_layers} MTP layers" if opts.mtp_num_layers is not None else ""
     model = (f"{load}" if opts.load else f"tiny preset{layers} trained {opts.train_iters} iterations on mock data "
-             f"here at lr {stand_in_lr(opts):g}")
+             f"here at lr {stand_in_lr(opts):g}, sequence length {args.seq_length}")
+    past = opts.prompt_length + opts.tokens - args.seq_length
+    beyond = (f"; WARNING: decoding runs {past} positions past the {args.seq_length} the model was trained on, "
+              "where its acceptance measures extrapolation" if past > 0 else "")
     return (f"(b) MTP speculative vs plain greedy ({model}; {source}; {opts.tokens} new tokens each; "
             f"{len(engine.mtp_layers)} MTP layer(s), drafting {depth or len(engine.mtp_layers)}; {opts.threads} "
             f"threads): plain {tokens / statistics.median(plain_s):.1f} tok/s, speculative "
             f"{tokens / statistics.median(spec_s):.1f} tok/s -> {median:.2f}x (paired runs {lo:.2f}-{hi:.2f}; goal "
             f">= 1.8), acceptance {stats.acceptance_rate:.3f} (by draft position: {by_depth}; goal >= 0.85), "
             f"{stats.tokens_per_forward:.2f} tokens per main forward, lossless: {lossless}; other processes used "
-            f"{busy:.0%} of the CPUs meanwhile{decision}", Figure("b", median, lo, hi))
+            f"{busy:.0%} of the CPUs meanwhile{decision}{beyond}", Figure("b", median, lo, hi))
 
 
 def parser() -> argparse.ArgumentParser:

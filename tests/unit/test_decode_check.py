@@ -133,3 +133,23 @@ def test_save_refuses_a_directory_that_already_holds_a_checkpoint(bench, tmp_pat
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1000")
     with pytest.raises(SystemExit, match="already holds a checkpoint"):
         bench.trained_stand_in(bench.parser().parse_args(["--only", "b", "--save", str(tmp_path)]), str(tmp_path))
+
+
+def test_the_stand_in_trains_over_every_position_it_decodes(bench, monkeypatch, tmp_path):
+    """(b)'s default prompts (32 tokens) and new tokens (64) reach position 96: a stand-in trained at the preset's
+    64 decoded past what it had learned, where its drafts and its own tokens left the progression (acceptance
+    0.42 past position 80, 1.0 below 64). The training length is the next power of two that holds both, with
+    1024 tokens a step."""
+    lengths = [bench.stand_in_seq_length(bench.parser().parse_args(argv)) for argv in (
+        ["--only", "b"], ["--only", "b", "--prompt-length", "16", "--tokens", "48"],
+        ["--only", "b", "--prompt-length", "100", "--tokens", "200"])]
+    assert lengths == [128, 64, 512]
+    assert [bench.stand_in_global_batch(s) for s in (64, 128, 512)] == [16, 8, 8]
+    seen = []
+    monkeypatch.setattr(bench.entry, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(bench, "destroy", lambda: None)
+    bench.trained_stand_in(bench.parser().parse_args(["--only", "b", "--train-iters", "30"]), str(tmp_path))
+    argv = seen[0]
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--seq-length"] == "128" and flags["--global-batch-size"] == "8"
+    assert flags["--micro-batch-size"] == "8" and flags["--log-interval"] == "3"
