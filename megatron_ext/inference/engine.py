@@ -556,9 +556,9 @@ class InferenceEngine:
         self.host_sync_free: Optional[bool] = None
         self._stacks: dict[int, _ExpertStack] = {}  # id(MoE layer) -> its experts stacked (sync-free MoE)
         # speculative decoding's step-aside decision (inference/speculative.py, plan_speculation): measured costs
-        # and the latest decision per draft depth
-        self.draft_costs: dict = {}
-        self.speculation_decisions: dict[int, bool] = {}
+        # and the latest decision per (draft depth, batch bucket), "host" appended for the one-sequence path's
+        self.draft_costs: dict[tuple, object] = {}
+        self.speculation_decisions: dict[tuple, bool] = {}
 
     def set_vocab_size(self, vocab_size: int):
         """Limit generation to the tokenizer's ids: the embedding's padding rows are never sampled."""

@@ -76,6 +76,9 @@ MIN_CHECKED = 32
 # emitting, cache bookkeeping), which on the 2-core CPU VM made an expected 1.05x run at 0.88x (4-layer stand-in,
 # docs/benchmarks.md); speculation that does not clearly pay steps aside
 SPECULATION_MARGIN = 1.2
+# the margin where the host-side work of a plain step and of a round was measured too (batch 1: real
+# generations timed, `measure_host_work`), so that only timing noise and the context length are left out
+HOST_MEASURED_MARGIN = 1.1
 
 
 @dataclass
@@ -86,15 +89,27 @@ class DraftCosts:
     main: float
     verify: float
     draft: float
+    # host-side work beyond those forwards, per plain step (picking and appending the token) and per round
+    # (the drafts' feeding, acceptance, emitting, cache bookkeeping), where it was measured (`host_measured`)
+    main_host: float = 0.0
+    round_host: float = 0.0
+    host_measured: bool = False
+
+    @property
+    def margin(self) -> float:
+        """The expected speed-up drafting must beat: smaller where the host-side work was measured."""
+        return HOST_MEASURED_MARGIN if self.host_measured else SPECULATION_MARGIN
 
     def speedup(self, acceptance: list[float]) -> float:
         """Expected tokens per second of speculation over plain decoding: a round emits the accepted run of
-        drafts and one more token (1 + a1 + a1 a2 + ...) and costs one verify forward and a draft per layer."""
+        drafts and one more token (1 + a1 + a1 a2 + ...) and costs one verify forward, a draft per layer and its
+        host-side work; a plain step costs a forward and its own."""
         tokens, run = 1.0, 1.0
         for a in acceptance:
             run *= a
             tokens += run
-        return tokens * self.main / (self.verify + len(acceptance) * self.draft)
+        return tokens * (self.main + self.main_host) / (self.verify + len(acceptance) * self.draft
+                                                         + self.round_host)
 
 
 @dataclass
@@ -113,9 +128,10 @@ def batch_bucket(rows: int) -> int:
 
 
 def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, context: int = 32,
-                        batch: int = 1) -> DraftCosts:
+                        batch: int = 1, host: bool = False) -> DraftCosts:
     """Time a plain step, a verify forward and a draft of `batch` rows on scratch caches (medians of `repeats`
-    rounds after a warm-up, the three interleaved so that load from other processes hits them alike)."""
+    rounds after a warm-up, the three interleaved so that load from other processes hits them alike); with
+    `host` (one sequence), also the host-side work of a plain step and of a round (`measure_host_work`)."""
     dev = engine.device
     ids = (torch.arange(context + depth + 1, device=dev) * 7919 % engine.vocab_size).unsqueeze(0).repeat(batch, 1)
     ids = (ids + torch.arange(batch, device=dev).unsqueeze(1) * 104729) % engine.vocab_size  # rows route apart
@@ -151,27 +167,71 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
                     torch.cuda.synchronize(dev)
                 if i:  # the first round warms up
                     times[name].append(time.perf_counter() - t0)
-    return DraftCosts(**{name: statistics.median(t) for name, t in times.items()})
+    costs = DraftCosts(**{name: statistics.median(t) for name, t in times.items()})
+    if host:
+        if batch != 1:
+            raise ValueError("host-side work is measured for one sequence's decoding (batch 1)")
+        step, round_ = measure_host_work(engine, depth, ids[0, :context].tolist())
+        costs.main_host = max(0.0, step - costs.main)
+        costs.round_host = max(0.0, round_ - costs.verify - depth * costs.draft)
+        costs.host_measured = True
+    return costs
+
+
+def measure_host_work(engine: InferenceEngine, depth: int, prompt: list[int], tokens: int = 16,
+                      repeats: int = 3) -> tuple[float, float]:
+    """(seconds per plain decode step, seconds per speculative round) of real greedy generations of `tokens`
+    tokens after the first on `prompt`, everything they do on the host included: each the difference between a
+    generation of 1 + `tokens` tokens and one of 1 token (the prompt's forward), medians of `repeats` after a
+    warm-up, the four interleaved. The forwards alone are timed by `measure_draft_costs`; the difference is what
+    a round adds on the host (which made an expected 1.05x run at 0.88x where it was left out)."""
+    full, first = (SamplingParams(max_tokens=n, temperature=0.0) for n in (1 + tokens, 1))
+
+    def plain(params):
+        engine.generate([prompt], params)
+        return tokens
+
+    def speculative(params):
+        stats = SpeculationStats()
+        with engine.generating():
+            _Speculation(engine, prompt, params, stats, depth).run()
+        return stats.main_forwards - 1  # rounds: one verify forward each after the prompt's
+
+    per = {plain: [], speculative: []}
+    for i in range(repeats + 1):
+        for run in per:
+            t0 = time.perf_counter()
+            run(first)
+            t1 = time.perf_counter()
+            count = run(full)
+            t2 = time.perf_counter()
+            if i and count > 0:  # the first repeat warms up
+                per[run].append(max(0.0, (t2 - t1) - (t1 - t0)) / count)
+    return statistics.median(per[plain]), statistics.median(per[speculative])
 
 
 def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None,
-                     rows: int = 1) -> SpeculationPlan:
-    """Whether drafting `depth` tokens per round is expected to beat plain decoding (by SPECULATION_MARGIN) on
+                     rows: int = 1, host: bool = False) -> SpeculationPlan:
+    """Whether drafting `depth` tokens per round is expected to beat plain decoding (by the costs' margin) on
     this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once
     per engine, depth and batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs
     relatively less where a step is bound by reading weights, more where it is bound by arithmetic), and the
     acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
     is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a
     request agree (speculate only if all expect it to pay). One log line when the decision for a (depth,
-    bucket) changes."""
-    key = (depth, batch_bucket(rows))
+    bucket) changes. `host` (one sequence decoded by `generate_speculative`): the host-side work of its plain
+    steps and rounds is measured too and counted (costs kept under (depth, 1, "host"), with a smaller margin);
+    the batched path's costs are its forwards alone."""
+    if host and rows != 1:
+        raise ValueError("host-side work is measured for one sequence's decoding (rows=1)")
+    key = (depth, batch_bucket(rows)) + (("host",) if host else ())
     costs = engine.draft_costs.get(key)
     if costs is None:
-        costs = engine.draft_costs[key] = measure_draft_costs(engine, depth, batch=key[1])
+        costs = engine.draft_costs[key] = measure_draft_costs(engine, depth, batch=key[1], host=host)
     observed = (stats or SpeculationStats()).acceptance_by_depth(depth, MIN_CHECKED)
     acceptance = [1.0 if a is None else a for a in observed]
     speedup = costs.speedup(acceptance)
-    speculate = speedup > SPECULATION_MARGIN
+    speculate = speedup > costs.margin
     groups = [g for g in (engine.groups.tp, engine.groups.ep) if g is not None]
     if groups:
         flag = torch.tensor([int(speculate)], device=engine.collective_device(groups[0]))
@@ -190,10 +250,13 @@ def describe_plan(plan: SpeculationPlan, depth: int) -> str:
     acceptance = ", ".join(f"{a:.2f}" for a in plan.acceptance)
     rows = f" at batch {plan.batch}" if plan.batch > 1 else ""
     return (f"speculative decoding{rows} {'on' if plan.speculate else 'off (decoding plainly)'}: {depth} draft(s) "
-            f"per round expected {plan.speedup:.2f}x plain (needs > {SPECULATION_MARGIN}x; "
+            f"per round expected {plan.speedup:.2f}x plain (needs > {c.margin}x; "
             f"step {c.main * 1e3:.2f} ms, "
             f"verify {c.verify * 1e3:.2f} ms, "
-            f"draft {c.draft * 1e3:.2f} ms, acceptance by position {acceptance})")
+            f"draft {c.draft * 1e3:.2f} ms, "
+            + (f"host work per step {c.main_host * 1e3:.2f} ms and per round {c.round_host * 1e3:.2f} ms, "
+               if c.host_measured else "")
+            + f"acceptance by position {acceptance})")
 
 
 def _draw(probs: torch.Tensor, generator) -> int:
@@ -281,7 +344,7 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
                          "tokens cannot be taken back out of a recurrent state; generate without speculation")
     stats = stats if stats is not None else SpeculationStats()
     if policy == "auto":
-        stats.plan = plan_speculation(engine, depth, stats)
+        stats.plan = plan_speculation(engine, depth, stats, host=True)
         if not stats.plan.speculate:
             return engine.generate([prompt], params, on_token)[0]
     with engine.generating():

@@ -1,5 +1,7 @@
 """The latent-cache engine against the model's own (uncached) forward."""
 
+import time
+
 import pytest
 import torch
 
@@ -398,7 +400,7 @@ def _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch):
 def _plan_costs(eng, costs):
     """Injects measured costs for one draft position (restored by the caller's finally)."""
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
-    eng.draft_costs[(1, 1)] = costs
+    eng.draft_costs[(1, 1, "host")] = costs  # the one-sequence path's (its host work measured)
     eng.speculation_decisions.clear()
     return saved
 
@@ -443,24 +445,62 @@ def test_speculation_steps_aside_unless_drafting_pays(engine, case, caplog):
 
 
 def test_draft_costs_are_measured_once_per_engine(engine):
-    from megatron_ext.inference.speculative import (SPECULATION_MARGIN, DraftCosts, measure_draft_costs,
-                                                    plan_speculation)
+    from megatron_ext.inference.speculative import (HOST_MEASURED_MARGIN, SPECULATION_MARGIN, DraftCosts,
+                                                    measure_draft_costs, plan_speculation)
 
     eng, _ = engine
     assert DraftCosts(main=1.0, verify=1.0, draft=0.0).speedup([0.5, 0.5]) == pytest.approx(1.75)
     costs = measure_draft_costs(eng, 1, repeats=2)
-    assert all(0 < getattr(costs, k) < 10 for k in ("main", "verify", "draft"))
+    assert all(0 < getattr(costs, k) < 10 for k in ("main", "verify", "draft")) and not costs.host_measured
+    costs = measure_draft_costs(eng, 1, repeats=2, host=True)
+    assert costs.host_measured and 0 <= costs.main_host < 10 and 0 <= costs.round_host < 10
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
     eng.draft_costs.clear()
     try:
-        plan = plan_speculation(eng, 1)
-        assert eng.draft_costs[(1, 1)] is plan.costs and plan_speculation(eng, 1).costs is plan.costs
+        plan = plan_speculation(eng, 1, host=True)
+        assert eng.draft_costs[(1, 1, "host")] is plan.costs
+        assert plan_speculation(eng, 1, host=True).costs is plan.costs
+        assert plan.costs.host_measured and plan.costs.margin == HOST_MEASURED_MARGIN
+        with pytest.raises(ValueError, match="one sequence"):
+            plan_speculation(eng, 1, rows=2, host=True)
         batched = plan_speculation(eng, 1, rows=3)  # a batch of 3: measured at 4 rows, once
         assert batched.batch == 4 and eng.draft_costs[(1, 4)] is batched.costs
         assert all(0 < getattr(batched.costs, k) < 10 for k in ("main", "verify", "draft"))
-        assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > SPECULATION_MARGIN)
+        assert not batched.costs.host_measured and batched.costs.margin == SPECULATION_MARGIN
+        assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > HOST_MEASURED_MARGIN)
     finally:
         eng.draft_costs, eng.speculation_decisions = saved
+
+
+def test_a_rounds_host_work_is_measured_and_weighs_in_the_decision(engine, monkeypatch):
+    """Host-side work of a round (here 100 ms added to every acceptance check) is measured from real generations
+    and counted against drafting, not against plain steps; where it was measured, a smaller margin applies than
+    where it was not."""
+    from megatron_ext.inference import speculative
+    from megatron_ext.inference.speculative import DraftCosts, measure_draft_costs, measure_host_work, plan_speculation
+
+    eng, _ = engine
+    verify = speculative.verify_drafts
+    monkeypatch.setattr(speculative, "verify_drafts", lambda *a: (time.sleep(0.1), verify(*a))[1])
+    step, round_ = measure_host_work(eng, 1, list(range(3, 35)), tokens=3, repeats=1)
+    assert round_ >= 0.1 and step < 0.1  # a tiny model's plain step takes milliseconds
+    monkeypatch.undo()
+    monkeypatch.setattr(speculative, "measure_host_work", lambda *a, **k: (50.0, 100.0))  # seconds, as measured
+    costs = measure_draft_costs(eng, 1, repeats=1, host=True)
+    assert costs.main_host == pytest.approx(50.0 - costs.main)
+    assert costs.round_host == pytest.approx(100.0 - costs.verify - costs.draft)
+    monkeypatch.undo()
+    # 2 tokens a round for 1 + 0.7 steps: 1.18x, above the measured-host margin, below the other
+    measured = DraftCosts(main=1.0, verify=1.6, draft=0.1, host_measured=True)
+    assert DraftCosts(main=1.0, verify=1.0, draft=0.1, round_host=0.6).speedup([1.0]) == pytest.approx(2 / 1.7)
+    assert DraftCosts(main=1.0, verify=1.6, draft=0.1, main_host=0.1).speedup([1.0]) == pytest.approx(2.2 / 1.7)
+    for costs, speculate in ((measured, True), (DraftCosts(main=1.0, verify=1.6, draft=0.1), False)):
+        saved = _plan_costs(eng, costs)
+        try:
+            plan = plan_speculation(eng, 1, host=True)
+        finally:
+            eng.draft_costs, eng.speculation_decisions = saved
+        assert plan.speedup == pytest.approx(2 / 1.7) and plan.speculate == speculate
 
 
 @pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
