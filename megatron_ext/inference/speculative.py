@@ -171,7 +171,8 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
     if host:
         if batch != 1:
             raise ValueError("host-side work is measured for one sequence's decoding (batch 1)")
-        step, round_ = measure_host_work(engine, depth, ids[0, :context].tolist())
+        room = engine.model.max_sequence_length - context - depth - 1  # what _Speculation's cache holds
+        step, round_ = measure_host_work(engine, depth, ids[0, :context].tolist(), tokens=max(1, min(16, room - 1)))
         costs.main_host = max(0.0, step - costs.main)
         costs.round_host = max(0.0, round_ - costs.verify - depth * costs.draft)
         costs.host_measured = True
@@ -222,8 +223,6 @@ def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[Specul
     bucket) changes. `host` (one sequence decoded by `generate_speculative`): the host-side work of its plain
     steps and rounds is measured too and counted (costs kept under (depth, 1, "host"), with a smaller margin);
     the batched path's costs are its forwards alone."""
-    if host and rows != 1:
-        raise ValueError("host-side work is measured for one sequence's decoding (rows=1)")
     key = (depth, batch_bucket(rows)) + (("host",) if host else ())
     costs = engine.draft_costs.get(key)
     if costs is None:
