@@ -19,6 +19,8 @@
     draft and verify costs against a plain step, and the acceptance observed; the decision is printed);
     `--speculation always` times drafting itself. `--num-layers N` trains an N-layer stand-in, `--mtp-num-layers
     D` gives it D MTP layers (D drafts a round), `--save DIR` keeps it for later runs with `--load DIR`.
+    `--batched` decodes the prompts together (the server's and RL's path, its decision measured per batch size)
+    instead of one at a time.
 
 Timings alternate between the two sides of each ratio (one run of each per repeat, after a warm-up) and report
 medians, so that load from other jobs on a shared machine hits both sides alike.
@@ -59,6 +61,7 @@ from megatron_ext.data.mock import mock_sample  # noqa: E402
 from megatron_ext.inference.engine import InferenceEngine, SamplingParams  # noqa: E402
 from megatron_ext.inference.speculative import (SpeculationStats, describe_plan, draft_depth,  # noqa: E402
                                                 generate_speculative)
+from megatron_ext.inference.speculative_batch import generate_speculative_groups  # noqa: E402
 from megatron_ext.training.checkpointing import checkpoint_dir, load_weights, read_tracker  # noqa: E402
 from megatron_ext.training.initialize import destroy, initialize_distributed  # noqa: E402
 from megatron_ext.training.step import build_model  # noqa: E402
@@ -463,12 +466,22 @@ def speculative(opts, workdir: str) -> tuple[str, Figure]:
     depth, policy = opts.draft_depth, opts.speculation
     stats = SpeculationStats()
     busy = OtherLoad()
-    plain_s, spec_s = alternate(lambda: [engine.generate([p], params) for p in prompts],
-                                lambda: [generate_speculative(engine, p, params, stats, depth, policy=policy)
-                                         for p in prompts], opts.repeats)
+    if opts.batched:  # the prompts decoded together: the server's and RL's path
+        def plain():
+            return [group[0].token_ids for group in engine.generate_groups(prompts, 1, params)]
+
+        def spec():
+            return [group[0].token_ids for group in generate_speculative_groups(engine, prompts, 1, params, stats,
+                                                                                 depth, policy=policy)]
+    else:
+        def plain():
+            return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+        def spec():
+            return [generate_speculative(engine, p, params, stats, depth, policy=policy).token_ids for p in prompts]
+    plain_s, spec_s = alternate(plain, spec, opts.repeats)
     busy = busy.fraction()
-    lossless = all(generate_speculative(engine, p, params, stats, depth=depth, policy=policy).token_ids
-                   == engine.generate([p], params)[0].token_ids for p in prompts)
+    lossless = spec() == plain()
     decision = ("; " + describe_plan(stats.plan, draft_depth(engine, depth))) if stats.plan is not None else ""
     destroy()
     median, lo, hi = ratio_summary(spec_s, plain_s)
@@ -481,7 +494,8 @@ def speculative(opts, workdir: str) -> tuple[str, Figure]:
     past = opts.prompt_length + opts.tokens - args.seq_length
     beyond = (f"; WARNING: decoding runs {past} positions past the {args.seq_length} the model was trained on, "
               "where its acceptance measures extrapolation" if past > 0 else "")
-    return (f"(b) MTP speculative vs plain greedy ({model}; {source}; {opts.tokens} new tokens each; "
+    together = ", decoded together (batched path)" if opts.batched else ", one at a time"
+    return (f"(b) MTP speculative vs plain greedy ({model}; {source}{together}; {opts.tokens} new tokens each; "
             f"{len(engine.mtp_layers)} MTP layer(s), drafting {depth or len(engine.mtp_layers)}; {opts.threads} "
             f"threads): plain {tokens / statistics.median(plain_s):.1f} tok/s, speculative "
             f"{tokens / statistics.median(spec_s):.1f} tok/s -> {median:.2f}x (paired runs {lo:.2f}-{hi:.2f}; goal "
@@ -521,6 +535,10 @@ def parser() -> argparse.ArgumentParser:
                                                                     "preset's 1)")
     g.add_argument("--save", default=None, help="keep the trained stand-in in this directory (measure it again "
                                                 "with --load DIR; default: a temporary directory)")
+    g.add_argument("--batched", action="store_true",
+                   help="decode the --num-prompts prompts together (engine.generate_groups against "
+                        "generate_speculative_groups: the server's and RL's path, whose step-aside decision is "
+                        "measured per batch bucket); default: one at a time (generate_speculative)")
     g.add_argument("--speculation", choices=["auto", "always"], default="auto",
                    help="auto: decode plainly where drafting is not expected to pay; always: draft")
     p.add_argument("--check", action="store_true", help="compare the ratios with the last ones recorded for the "

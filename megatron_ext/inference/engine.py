@@ -556,7 +556,7 @@ class InferenceEngine:
         self.host_sync_free: Optional[bool] = None
         self._stacks: dict[int, _ExpertStack] = {}  # id(MoE layer) -> its experts stacked (sync-free MoE)
         # speculative decoding's step-aside decision (inference/speculative.py, plan_speculation): measured costs
-        # and the latest decision per (draft depth, batch bucket), "host" appended for the one-sequence path's
+        # and the latest decision per (draft depth, batch bucket, path: "single" or "batched")
         self.draft_costs: dict[tuple, object] = {}
         self.speculation_decisions: dict[tuple, bool] = {}
 

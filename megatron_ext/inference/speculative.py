@@ -76,9 +76,13 @@ MIN_CHECKED = 32
 # emitting, cache bookkeeping), which on the 2-core CPU VM made an expected 1.05x run at 0.88x (4-layer stand-in,
 # docs/benchmarks.md); speculation that does not clearly pay steps aside
 SPECULATION_MARGIN = 1.2
-# the margin where the host-side work of a plain step and of a round was measured too (batch 1: real
-# generations timed, `measure_host_work`), so that only timing noise and the context length are left out
+# the margin where the host-side work of a plain step and of a round was measured too (real generations timed,
+# `measure_host_work`; `plan_speculation` always measures it), so that only timing noise, the context length and
+# (batched) the rows' own acceptance runs are left out
 HOST_MEASURED_MARGIN = 1.1
+# the decoding paths whose costs are measured apart: one sequence (`generate_speculative`) and rows decoded
+# together (inference/speculative_batch.py)
+PATHS = ("single", "batched")
 
 
 @dataclass
@@ -128,10 +132,11 @@ def batch_bucket(rows: int) -> int:
 
 
 def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, context: int = 32,
-                        batch: int = 1, host: bool = False) -> DraftCosts:
+                        batch: int = 1, host: Optional[str] = None) -> DraftCosts:
     """Time a plain step, a verify forward and a draft of `batch` rows on scratch caches (medians of `repeats`
     rounds after a warm-up, the three interleaved so that load from other processes hits them alike); with
-    `host` (one sequence), also the host-side work of a plain step and of a round (`measure_host_work`)."""
+    `host` ("single": one sequence, `generate_speculative`; "batched": `batch` rows, `generate_speculative_groups`),
+    also that path's host-side work of a plain step and of a round (`measure_host_work`)."""
     dev = engine.device
     ids = (torch.arange(context + depth + 1, device=dev) * 7919 % engine.vocab_size).unsqueeze(0).repeat(batch, 1)
     ids = (ids + torch.arange(batch, device=dev).unsqueeze(1) * 104729) % engine.vocab_size  # rows route apart
@@ -168,11 +173,15 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
                 if i:  # the first round warms up
                     times[name].append(time.perf_counter() - t0)
     costs = DraftCosts(**{name: statistics.median(t) for name, t in times.items()})
-    if host:
-        if batch != 1:
-            raise ValueError("host-side work is measured for one sequence's decoding (batch 1)")
-        room = engine.model.max_sequence_length - context - depth - 1  # what _Speculation's cache holds
-        step, round_ = measure_host_work(engine, depth, ids[0, :context].tolist(), tokens=max(1, min(16, room - 1)))
+    if host is not None:
+        if host not in PATHS:
+            raise ValueError(f"host must be one of {PATHS}, got {host!r}")
+        if host == "single" and batch != 1:
+            raise ValueError("the single path decodes one sequence: its host-side work is measured at batch 1")
+        # what the path's caches hold beyond the prompt (the batched one pads draft spans: 3 depth + 2)
+        room = engine.model.max_sequence_length - context - (depth + 1 if host == "single" else 3 * depth + 2)
+        step, round_ = measure_host_work(engine, depth, ids[0, :context].tolist(), tokens=max(1, min(16, room - 1)),
+                                         rows=batch, batched=host == "batched")
         costs.main_host = max(0.0, step - costs.main)
         costs.round_host = max(0.0, round_ - costs.verify - depth * costs.draft)
         costs.host_measured = True
@@ -180,23 +189,37 @@ def measure_draft_costs(engine: InferenceEngine, depth: int, repeats: int = 7, c
 
 
 def measure_host_work(engine: InferenceEngine, depth: int, prompt: list[int], tokens: int = 16,
-                      repeats: int = 3) -> tuple[float, float]:
+                      repeats: int = 3, rows: int = 1, batched: bool = False) -> tuple[float, float]:
     """(seconds per plain decode step, seconds per speculative round) of real greedy generations of `tokens`
     tokens after the first on `prompt`, everything they do on the host included: each the difference between a
     generation of 1 + `tokens` tokens and one of 1 token (the prompt's forward), medians of `repeats` after a
     warm-up, the four interleaved. The forwards alone are timed by `measure_draft_costs`; the difference is what
-    a round adds on the host (which made an expected 1.05x run at 0.88x where it was left out)."""
+    a round adds on the host (which made an expected 1.05x run at 0.88x where it was left out). `batched`: `rows`
+    samples of the prompt decoded together, plainly (`generate_groups`) and by the batched speculation
+    (inference/speculative_batch.py), whose rounds do per-row work on the host; greedy rows stay identical, so
+    every round holds all of them. Otherwise one sequence (`generate`, `generate_speculative`)."""
+    if not batched and rows != 1:
+        raise ValueError("one sequence's host work is measured for rows=1 (batched=True for more)")
+    from megatron_ext.inference.speculative_batch import _Rows
+
     full, first = (SamplingParams(max_tokens=n, temperature=0.0) for n in (1 + tokens, 1))
 
     def plain(params):
-        engine.generate([prompt], params)
+        if batched:
+            engine.generate_groups([prompt], rows, params)
+        else:
+            engine.generate([prompt], params)
         return tokens
 
     def speculative(params):
         stats = SpeculationStats()
         with engine.generating():
-            _Speculation(engine, prompt, params, stats, depth).run()
-        return stats.main_forwards - 1  # rounds: one verify forward each after the prompt's
+            if batched:
+                _Rows(engine, [prompt], [rows], [params] * rows, list(range(rows)), stats, depth).run()
+            else:
+                _Speculation(engine, prompt, params, stats, depth).run()
+        # rounds: one verify forward of every row each, after the prompt's one forward
+        return (stats.main_forwards - 1) // rows
 
     per = {plain: [], speculative: []}
     for i in range(repeats + 1):
@@ -212,21 +235,23 @@ def measure_host_work(engine: InferenceEngine, depth: int, prompt: list[int], to
 
 
 def plan_speculation(engine: InferenceEngine, depth: int, stats: Optional[SpeculationStats] = None,
-                     rows: int = 1, host: bool = False) -> SpeculationPlan:
+                     rows: int = 1, path: str = "batched") -> SpeculationPlan:
     """Whether drafting `depth` tokens per round is expected to beat plain decoding (by the costs' margin) on
     this engine for a batch of `rows` sequences: its draft and verify costs against a plain step (measured once
-    per engine, depth and batch bucket, `engine.draft_costs[(depth, bucket)]`: a batched verify costs
+    per engine, path, depth and batch bucket, `engine.draft_costs[(depth, bucket, path)]`: a batched verify costs
     relatively less where a step is bound by reading weights, more where it is bound by arithmetic), and the
     acceptance `stats` observed so far at each draft position (the prior: every draft accepted, so that a model
     is only decoded plainly from the start when even perfect drafts cannot pay). Ranks that cooperate on a
     request agree (speculate only if all expect it to pay). One log line when the decision for a (depth,
-    bucket) changes. `host` (one sequence decoded by `generate_speculative`): the host-side work of its plain
-    steps and rounds is measured too and counted (costs kept under (depth, 1, "host"), with a smaller margin);
-    the batched path's costs are its forwards alone."""
-    key = (depth, batch_bucket(rows)) + (("host",) if host else ())
+    bucket) changes. The host-side work of the path's plain steps and rounds is measured too and counted
+    (`measure_host_work`): `path` "single" (one sequence, `generate_speculative`) or "batched" (rows decoded
+    together, `generate_speculative_groups`: the server's and RL's), whose rounds differ in what they do per row."""
+    if path not in PATHS:
+        raise ValueError(f"speculation path must be one of {PATHS}, got {path!r}")
+    key = (depth, batch_bucket(rows), path)
     costs = engine.draft_costs.get(key)
     if costs is None:
-        costs = engine.draft_costs[key] = measure_draft_costs(engine, depth, batch=key[1], host=host)
+        costs = engine.draft_costs[key] = measure_draft_costs(engine, depth, batch=key[1], host=path)
     observed = (stats or SpeculationStats()).acceptance_by_depth(depth, MIN_CHECKED)
     acceptance = [1.0 if a is None else a for a in observed]
     speedup = costs.speedup(acceptance)
@@ -343,7 +368,7 @@ def generate_speculative(engine: InferenceEngine, prompt: list[int], params: Sam
                          "tokens cannot be taken back out of a recurrent state; generate without speculation")
     stats = stats if stats is not None else SpeculationStats()
     if policy == "auto":
-        stats.plan = plan_speculation(engine, depth, stats, host=True)
+        stats.plan = plan_speculation(engine, depth, stats, path="single")
         if not stats.plan.speculate:
             return engine.generate([prompt], params, on_token)[0]
     with engine.generating():

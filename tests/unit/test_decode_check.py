@@ -109,7 +109,9 @@ def test_stand_in_mtp_layers_are_a_measured_option_and_save_is_not(bench):
     one = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16")
     two = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16 --mtp-num-layers 2")
     kept = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16 --save /tmp/x")
+    together = bench.options_of("python benchmarks/decode_throughput.py --only b --num-layers 16 --batched")
     assert one != two and two["mtp_num_layers"] == 2 and kept == one
+    assert together != one and together["batched"] and not one["batched"]  # another path: compared apart
     table = TABLE + ("\n| date | machine | command | ratio | paired runs |\n|---|---|---|---|---|\n"
                      "| 2026-12-05 | VM | `python benchmarks/decode_throughput.py --only b --num-layers 16 "
                      "--mtp-num-layers 2` | (b) 1.60x | 1.50-1.70 |\n")

@@ -400,7 +400,7 @@ def _assert_reads_only_sampled_tokens(eng, grouped, monkeypatch):
 def _plan_costs(eng, costs):
     """Injects measured costs for one draft position (restored by the caller's finally)."""
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
-    eng.draft_costs[(1, 1, "host")] = costs  # the one-sequence path's (its host work measured)
+    eng.draft_costs[(1, 1, "single")] = costs  # the one-sequence path's
     eng.speculation_decisions.clear()
     return saved
 
@@ -452,41 +452,50 @@ def test_draft_costs_are_measured_once_per_engine(engine):
     assert DraftCosts(main=1.0, verify=1.0, draft=0.0).speedup([0.5, 0.5]) == pytest.approx(1.75)
     costs = measure_draft_costs(eng, 1, repeats=2)
     assert all(0 < getattr(costs, k) < 10 for k in ("main", "verify", "draft")) and not costs.host_measured
-    costs = measure_draft_costs(eng, 1, repeats=2, host=True)
-    assert costs.host_measured and 0 <= costs.main_host < 10 and 0 <= costs.round_host < 10
+    for path, batch in (("single", 1), ("batched", 1), ("batched", 2)):
+        costs = measure_draft_costs(eng, 1, repeats=2, batch=batch, host=path)
+        assert costs.host_measured and 0 <= costs.main_host < 10 and 0 <= costs.round_host < 10
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
     eng.draft_costs.clear()
     try:
-        plan = plan_speculation(eng, 1, host=True)
-        assert eng.draft_costs[(1, 1, "host")] is plan.costs
-        assert plan_speculation(eng, 1, host=True).costs is plan.costs
+        plan = plan_speculation(eng, 1, path="single")
+        assert eng.draft_costs[(1, 1, "single")] is plan.costs
+        assert plan_speculation(eng, 1, path="single").costs is plan.costs
         assert plan.costs.host_measured and plan.costs.margin == HOST_MEASURED_MARGIN
         with pytest.raises(ValueError, match="one sequence"):
-            plan_speculation(eng, 1, rows=2, host=True)
-        batched = plan_speculation(eng, 1, rows=3)  # a batch of 3: measured at 4 rows, once
-        assert batched.batch == 4 and eng.draft_costs[(1, 4)] is batched.costs
+            plan_speculation(eng, 1, rows=2, path="single")
+        with pytest.raises(ValueError, match="path must be one of"):
+            plan_speculation(eng, 1, path="host")
+        batched = plan_speculation(eng, 1, rows=3)  # a batch of 3: measured at 4 rows, once, its host work too
+        assert batched.batch == 4 and eng.draft_costs[(1, 4, "batched")] is batched.costs
         assert all(0 < getattr(batched.costs, k) < 10 for k in ("main", "verify", "draft"))
-        assert not batched.costs.host_measured and batched.costs.margin == SPECULATION_MARGIN
+        assert batched.costs.host_measured and batched.costs.margin == HOST_MEASURED_MARGIN
+        assert plan_speculation(eng, 1, rows=1).costs is not plan.costs  # the two paths are measured apart
+        assert DraftCosts(main=1.0, verify=1.0, draft=0.0).margin == SPECULATION_MARGIN  # host work not measured
         assert plan.acceptance == [1.0] and plan.speculate == (plan.speedup > HOST_MEASURED_MARGIN)
     finally:
         eng.draft_costs, eng.speculation_decisions = saved
 
 
-def test_a_rounds_host_work_is_measured_and_weighs_in_the_decision(engine, monkeypatch):
-    """Host-side work of a round (here 100 ms added to every acceptance check) is measured from real generations
-    and counted against drafting, not against plain steps; where it was measured, a smaller margin applies than
-    where it was not."""
-    from megatron_ext.inference import speculative
+@pytest.mark.parametrize("path", ["single", "batched"])
+def test_a_rounds_host_work_is_measured_and_weighs_in_the_decision(engine, monkeypatch, path):
+    """Host-side work of a round (here 100 ms added to every acceptance check of a row) is measured from real
+    generations of the path (one sequence; two rows decoded together) and counted against drafting, not against
+    plain steps; where it was measured, a smaller margin applies than where it was not."""
+    from megatron_ext.inference import speculative, speculative_batch
     from megatron_ext.inference.speculative import DraftCosts, measure_draft_costs, measure_host_work, plan_speculation
 
     eng, _ = engine
-    verify = speculative.verify_drafts
-    monkeypatch.setattr(speculative, "verify_drafts", lambda *a: (time.sleep(0.1), verify(*a))[1])
-    step, round_ = measure_host_work(eng, 1, list(range(3, 35)), tokens=3, repeats=1)
-    assert round_ >= 0.1 and step < 0.1  # a tiny model's plain step takes milliseconds
+    module = speculative_batch if path == "batched" else speculative
+    verify, checks = module.verify_drafts, []
+    monkeypatch.setattr(module, "verify_drafts", lambda *a: (checks.append(1), time.sleep(0.1), verify(*a))[2])
+    rows = 2 if path == "batched" else 1
+    step, round_ = measure_host_work(eng, 1, list(range(3, 35)), tokens=3, repeats=1, rows=rows,
+                                     batched=path == "batched")
+    assert checks and round_ >= 0.1 * rows and step < 0.1  # a tiny model's plain step takes milliseconds
     monkeypatch.undo()
     monkeypatch.setattr(speculative, "measure_host_work", lambda *a, **k: (50.0, 100.0))  # seconds, as measured
-    costs = measure_draft_costs(eng, 1, repeats=1, host=True)
+    costs = measure_draft_costs(eng, 1, repeats=1, batch=rows, host=path)
     assert costs.main_host == pytest.approx(50.0 - costs.main)
     assert costs.round_host == pytest.approx(100.0 - costs.verify - costs.draft)
     monkeypatch.undo()
@@ -497,7 +506,7 @@ def test_a_rounds_host_work_is_measured_and_weighs_in_the_decision(engine, monke
     for costs, speculate in ((measured, True), (DraftCosts(main=1.0, verify=1.6, draft=0.1), False)):
         saved = _plan_costs(eng, costs)
         try:
-            plan = plan_speculation(eng, 1, host=True)
+            plan = plan_speculation(eng, 1, path="single")
         finally:
             eng.draft_costs, eng.speculation_decisions = saved
         assert plan.speedup == pytest.approx(2 / 1.7) and plan.speculate == speculate

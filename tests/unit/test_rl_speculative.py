@@ -144,7 +144,7 @@ def test_speculative_rollouts_step_aside_per_batch_size(engine, case, caplog):  
     sampling = Sampling(max_tokens=8, temperature=0.0, return_routing=True)
     plain = EngineGenerate(eng)(PROMPTS, 2, sampling)
     saved = dict(eng.draft_costs), dict(eng.speculation_decisions)
-    eng.draft_costs[(1, 8)] = costs
+    eng.draft_costs[(1, 8, "batched")] = costs
     eng.speculation_decisions.clear()
     try:
         gen = EngineGenerate(eng, speculative=True, speculation_policy="auto")

@@ -98,7 +98,7 @@ def test_speculation_auto_decodes_plainly_where_drafting_cannot_pay(served):
     _, plain = _call(url, "/v1/completions", body)
     engine = service.engine
     saved = dict(engine.draft_costs), dict(engine.speculation_decisions), service.speculation
-    engine.draft_costs[(1, 1)] = DraftCosts(main=1.0, verify=1.6, draft=0.5)  # 2 tokens for 2.1 steps at best
+    engine.draft_costs[(1, 1, "batched")] = DraftCosts(main=1.0, verify=1.6, draft=0.5)  # 2 tokens for 2.1 steps at best
     try:
         drafted = []
         for policy in ("auto", "always"):
