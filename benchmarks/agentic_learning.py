@@ -726,7 +726,10 @@ def main(argv=None):
     if a.plot:
         plot(a.plot, metrics, curve, a.passes,
              f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
-             f"SFT on {a.sft_tasks} oracle episodes, GRPO on {a.rl_tasks} tasks x "
+             f"SFT on {a.sft_tasks} oracle episodes"
+             + (f" x {a.sft_renamed_copies} renamed" if a.sft_renamed_copies else "")
+             + (f" + {a.sft_copy_drills} copy drills" if a.sft_copy_drills else "")
+             + f" ({a.sft_iters} steps), GRPO on {a.rl_iters * a.prompts_per_step} tasks x "
              f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}")
         print(f"plot: {a.plot}")
     return 0
