@@ -46,6 +46,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -465,7 +466,7 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
     more = counts.get_legend_handles_labels()
     right.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
     right.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 180), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
