@@ -83,6 +83,9 @@ HOST_MEASURED_MARGIN = 1.1
 # the decoding paths whose costs are measured apart: one sequence (`generate_speculative`) and rows decoded
 # together (inference/speculative_batch.py)
 PATHS = ("single", "batched")
+# runs `rows` greedy samples of one prompt by the batched speculation (set by inference/speculative_batch.py, which
+# builds on this module: the one-way import keeps the package free of cycles)
+BATCHED_ROUNDS: Optional[Callable] = None
 
 
 @dataclass
@@ -200,7 +203,8 @@ def measure_host_work(engine: InferenceEngine, depth: int, prompt: list[int], to
     every round holds all of them. Otherwise one sequence (`generate`, `generate_speculative`)."""
     if not batched and rows != 1:
         raise ValueError("one sequence's host work is measured for rows=1 (batched=True for more)")
-    from megatron_ext.inference.speculative_batch import _Rows
+    if batched and BATCHED_ROUNDS is None:
+        raise RuntimeError("the batched path's rounds are run by megatron_ext.inference.speculative_batch: import it")
 
     full, first = (SamplingParams(max_tokens=n, temperature=0.0) for n in (1 + tokens, 1))
 
@@ -215,7 +219,7 @@ def measure_host_work(engine: InferenceEngine, depth: int, prompt: list[int], to
         stats = SpeculationStats()
         with engine.generating():
             if batched:
-                _Rows(engine, [prompt], [rows], [params] * rows, list(range(rows)), stats, depth).run()
+                BATCHED_ROUNDS(engine, prompt, rows, params, stats, depth)
             else:
                 _Speculation(engine, prompt, params, stats, depth).run()
         # rounds: one verify forward of every row each, after the prompt's one forward

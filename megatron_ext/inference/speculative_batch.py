@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_ext.inference import speculative
 from megatron_ext.inference.engine import Completion, InferenceEngine, SamplingParams, group_counts, sampling_probs
 from megatron_ext.inference.speculative import (SpeculationStats, _draw, append_token, draft_depth, pick,
                                                 plan_speculation, verify_drafts)
@@ -222,3 +223,12 @@ class _Rows:
             self.mtp.kv = [t.index_select(0, index) for t in self.mtp.kv]
             self.inputs = self.inputs.index_select(1, index)
             self.active = [rows[b] for b in keep]
+
+
+def _greedy_rows(engine: InferenceEngine, prompt: list[int], rows: int, params: SamplingParams,
+                 stats: SpeculationStats, depth: int):
+    """`rows` samples of `prompt` decoded together by the batched speculation (`measure_host_work`'s batched side)."""
+    _Rows(engine, [prompt], [rows], [params] * rows, list(range(rows)), stats, depth).run()
+
+
+speculative.BATCHED_ROUNDS = _greedy_rows

@@ -445,6 +445,7 @@ def test_speculation_steps_aside_unless_drafting_pays(engine, case, caplog):
 
 
 def test_draft_costs_are_measured_once_per_engine(engine):
+    import megatron_ext.inference.speculative_batch  # noqa: F401  (runs the batched path's rounds)
     from megatron_ext.inference.speculative import (HOST_MEASURED_MARGIN, SPECULATION_MARGIN, DraftCosts,
                                                     measure_draft_costs, plan_speculation)
 
