@@ -20,7 +20,9 @@ again; DIR is --out):
                 from other weights, --pretrain-extra mixes more documents in (a copy warm-up's, to keep its skill)
   5. sft        pretrain_composer.py --sft from the pretrained checkpoint, deliberately short (DIR/ckpt/sft);
                 --sft-renamed-copies N trains on N copies of each oracle conversation with its names drawn afresh
-                (DIR/sft_renamed_xN.jsonl) instead, so that names can only be copied, not recalled
+                (DIR/sft_renamed_xN.jsonl) instead, so that names can only be copied, not recalled;
+                --sft-recovery adds each SFT task's oracle played with a wrong first edit and its fix
+                (tools/build_agent_sft.py --recovery, DIR/sft_recovery.jsonl): what to do after a failing test run
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
                 per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
   7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at
@@ -513,6 +515,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SFT on N copies of each oracle conversation whose module, package and function names are "
                         "drawn afresh from the generator's pools (DIR/sft_renamed_xN.jsonl; the tokenizer still sees "
                         "DIR/sft.jsonl); 0: the conversations as played")
+    p.add_argument("--sft-recovery", action="store_true",
+                   help="add a recovery conversation of each SFT task (tools/build_agent_sft.py --recovery: a wrong "
+                        "first edit kept as untrained context, the failing test run, the fix; DIR/sft_recovery.jsonl)"
+                        ": the oracles alone only ever pass their first run, so after a failing one the policy stops; "
+                        "the tokenizer still sees DIR/sft.jsonl")
     p.add_argument("--sft-copy-drills", type=int, default=0, metavar="N",
                    help="mix N copy drills into SFT (DIR/sft_drills_xN.jsonl): short conversations in which the "
                         "assistant writes back paths, function names and code lines the user lists, the copying "
@@ -626,12 +633,25 @@ def main(argv=None):
                           init=a.init, **seed))
     init = ["--load", pretrain_ckpt, "--finetune"] if code_corpus else []
     sft_input, sft_source = sft_data, "sft_data"
+    if a.sft_recovery:
+        recovery = os.path.join(out, "sft_recovery.jsonl")
+        phases("sft_recovery", lambda: os.path.exists(recovery), lambda: run(
+            py + ["tools/build_agent_sft.py", "--tasks", os.path.join(tasks_dir, "sft.jsonl"), "--oracle",
+                  os.path.join(tasks_dir, "oracle"), "--output", recovery, "--recovery", "--seed", a.seed,
+                  "--concurrency", 2, *PROMPT_OPTIONS], log("sft_recovery")),
+            settings=dict(prompt=PROMPT_OPTIONS, **seed), after=["tasks"], outputs=[recovery])
+        sft_input, sft_source = os.path.join(out, "sft_with_recovery.jsonl"), "sft_with_recovery"
+        set_aside_if_stale([sft_input], sft_input, [sft_data, recovery])
+        phases("sft_with_recovery", lambda: os.path.exists(sft_input), lambda: write_jsonl(
+            [json.loads(line) for path in (sft_data, recovery) for line in open(path) if line.strip()], sft_input),
+            after=["sft_data", "sft_recovery"], outputs=[sft_input])
     if a.sft_renamed_copies:
-        sft_input, sft_source = os.path.join(out, f"sft_renamed_x{a.sft_renamed_copies}.jsonl"), "sft_renamed"
-        set_aside_if_stale([sft_input], sft_input, [sft_data])
+        source, sft_input = sft_input, os.path.join(out, f"sft_renamed_x{a.sft_renamed_copies}.jsonl")
+        set_aside_if_stale([sft_input], sft_input, [source])
         phases("sft_renamed", lambda: os.path.exists(sft_input),
-               lambda: renamed_conversations(sft_data, a.sft_renamed_copies, a.seed, sft_input),
-               settings=dict(copies=a.sft_renamed_copies, **seed), after=["sft_data"], outputs=[sft_input])
+               lambda: renamed_conversations(source, a.sft_renamed_copies, a.seed, sft_input),
+               settings=dict(copies=a.sft_renamed_copies, **seed), after=[sft_source], outputs=[sft_input])
+        sft_source = "sft_renamed"
     if a.sft_copy_drills:
         source, sft_input = sft_input, os.path.join(out, f"sft_drills_x{a.sft_copy_drills}.jsonl")
         set_aside_if_stale([sft_input], sft_input, [source])

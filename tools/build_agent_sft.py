@@ -13,6 +13,14 @@ in the Kimi-K2 format by megatron_ext/data/sft.py, tool results as tool messages
 what `pretrain_composer.py --sft --data-path` reads and what the RL environment's token sequences hold
 (tests/unit/test_agent_sft.py checks them token for token). Dropped tasks are counted by reason on stderr and in
 OUTPUT.report.json. Exit status: 0 when at least one episode was kept, 1 when none was, 2 on bad input.
+
+--recovery plays each oracle with a wrong first edit instead: one slip in its first edit's new text (an integer
+literal moved by one, min/max, upper/lower or sum/len swapped, a string literal's last character doubled), the test
+run that then fails, an edit that puts the line right, the passing run and finish. The wrong
+edit's turn stays in the conversation as context ("train": false); every turn after it is trained. Oracles only
+ever pass their first test run, so a policy trained on them alone has never seen what to do after a failing one
+(it stops). A recovery episode is kept only when its first test run failed and the rest holds as above; ids end in
+"-recovery".
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import sys
 import threading
 import time
@@ -38,8 +48,78 @@ from megatron_ext.eval.harness import task_config  # noqa: E402
 from megatron_ext.eval.tasks import load_suite  # noqa: E402
 
 
-def oracle_episode(task: Task, actions: list, config: EpisodeConfig) -> tuple[dict | None, str | None]:
-    """(the SFT record, None) for an oracle episode graded correct, else (None, why it is dropped)."""
+_INTEGER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+_SWAPS = {"min": "max", "max": "min", "upper": "lower", "lower": "upper", "sum": "len", "len": "sum"}
+_WORD = re.compile(r"\b(" + "|".join(_SWAPS) + r")\(|\.(" + "|".join(_SWAPS) + r")\(")
+_STRING = re.compile(r"'([^'\\\n]+)'")
+
+
+def _slips(text: str) -> list[str]:
+    """`text` with one slip each: an integer literal moved by one (n+1, n-1 when not negative), a builtin or
+    method swapped for its twin (min/max, upper/lower, sum/len), a string literal with its last character doubled."""
+    out = []
+    for m in _INTEGER.finditer(text):
+        n = int(m.group())
+        out += [text[:m.start()] + str(k) + text[m.end():] for k in (n + 1, n - 1) if k >= 0]
+    for m in _WORD.finditer(text):
+        g = 1 if m.group(1) else 2
+        out.append(text[:m.start(g)] + _SWAPS[m.group(g)] + text[m.end(g):])
+    for m in _STRING.finditer(text):
+        out.append(text[:m.end(1)] + m.group(1)[-1] + text[m.end(1):])
+    return out
+
+
+def recovery_actions(actions: list, rng: random.Random) -> tuple[list, list, str] | None:
+    """(the oracle's actions with a wrong first edit and a fix of its one wrong line, the same with a fix that
+    rewrites the wrong edit's whole text, for a line that is not unique in the file; the wrong edit's new text), or
+    None when the first edit has nothing to slip (`_slips`) or no test run follows it."""
+    i = next((k for k, a in enumerate(actions) if isinstance(a, dict) and a.get("name") == "edit_file"), None)
+    if i is None or not any(isinstance(a, dict) and a.get("name") == "run_command" for a in actions[i + 1:]):
+        return None
+    arguments = actions[i]["arguments"]
+    right = arguments["new_text"]
+    slips = [w for w in _slips(right) if w != arguments["old_text"]]  # not a no-op edit back to the bug
+    if not slips:
+        return None
+    wrong = rng.choice(slips)
+    line = next(k for k, (a, b) in enumerate(zip(wrong.splitlines(True), right.splitlines(True))) if a != b)
+    run = next(a for a in actions[i + 1:] if isinstance(a, dict) and a.get("name") == "run_command")
+    wrong_edit = {"name": "edit_file", "arguments": {**arguments, "new_text": wrong}}
+    fixes = ({"old_text": wrong.splitlines(True)[line], "new_text": right.splitlines(True)[line]},
+             {"old_text": wrong, "new_text": right})
+    return (*(actions[:i] + [wrong_edit, run, {"name": "edit_file", "arguments": {"path": arguments["path"], **fix}}]
+              + actions[i + 1:] for fix in fixes), wrong)
+
+
+def recovery_episode(task: Task, actions: list, config: EpisodeConfig,
+                     rng: random.Random) -> tuple[dict | None, str | None]:
+    """(the recovery SFT record, None), else (None, why it is dropped): see --recovery."""
+    planned = recovery_actions(actions, rng)
+    if planned is None:
+        return None, "nothing to slip in the first edit, or no test run after it"
+    line_fix, block_fix, wrong = planned
+    record, why = oracle_episode(task, line_fix, config, wrong_edit=wrong)
+    if why is not None and why.startswith("invalid tool calls"):  # the wrong line is not unique in its file
+        record, why = oracle_episode(task, block_fix, config, wrong_edit=wrong)
+    return record, why
+
+
+def _edits(message: dict) -> list[dict]:
+    out = []
+    for call in message.get("tool_calls") or []:
+        if call["function"]["name"] == "edit_file":
+            try:
+                out.append(json.loads(call["function"]["arguments"]))
+            except ValueError:
+                pass
+    return out
+
+
+def oracle_episode(task: Task, actions: list, config: EpisodeConfig,
+                   wrong_edit: str | None = None) -> tuple[dict | None, str | None]:
+    """(the SFT record, None) for an oracle episode graded correct, else (None, why it is dropped). With
+    `wrong_edit` (a recovery episode: see --recovery) the edit writing that text must be followed by a failing test
+    run, and its assistant turn is marked "train": false."""
     tools = declarations(TOOL_SCHEMAS, config.tool_declarations)
     try:
         result = drive(Session(task, task_config(config, task)), ScriptAgent(actions), tools)
@@ -59,11 +139,21 @@ def oracle_episode(task: Task, actions: list, config: EpisodeConfig) -> tuple[di
     messages = list(result.messages)
     while messages[-1]["role"] == "tool":  # finish's "finished": after the last model turn, nothing to learn
         messages.pop()
-    return {"id": task.id, "messages": messages, "tools": tools}, None
+    if wrong_edit is None:
+        return {"id": task.id, "messages": messages, "tools": tools}, None
+    runs = [c for c in result.calls if c.name == "run_command"]
+    if not runs or runs[0].observation.rstrip().rsplit("\n", 1)[-1] == "[exit code 0]":
+        return None, "the wrong edit passed the tests"
+    k = next(k for k, m in enumerate(messages)
+             if m["role"] == "assistant" and any(e.get("new_text") == wrong_edit for e in _edits(m)))
+    messages[k] = {**messages[k], "train": False}
+    return {"id": f"{task.id}-recovery", "messages": messages, "tools": tools}, None
 
 
-def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1, log=None):
-    """(records in task order, {task id: why dropped}); `log` gets a progress line every ~5% of the tasks."""
+def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency: int = 1, log=None,
+          recovery: bool = False, seed: int = 0):
+    """(records in task order, {task id: why dropped}); `log` gets a progress line every ~5% of the tasks.
+    `recovery`: recovery episodes instead (see --recovery; each task's wrong literal drawn from `seed` and its id)."""
     done, lock, every, start = [0], threading.Lock(), max(1, len(tasks) // 20), time.monotonic()
 
     def progress():
@@ -88,6 +178,8 @@ def build(tasks: list[Task], oracle_dir: str, config: EpisodeConfig, concurrency
             actions = load_actions(path)
         except AgentError as e:
             return None, f"bad oracle file ({e})"
+        if recovery:
+            return recovery_episode(task, actions, config, random.Random(f"recovery:{seed}:{task.id}"))
         return oracle_episode(task, actions, config)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -103,6 +195,11 @@ def main(argv=None) -> int:
     p.add_argument("--oracle", required=True, help="DIR with DIR/<task id>.json (ACTIONS.json format)")
     p.add_argument("--output", required=True, help="chat JSONL for pretrain_composer.py --sft --data-path")
     p.add_argument("--concurrency", type=int, default=1, help="episodes run at once")
+    p.add_argument("--recovery", action="store_true",
+                   help="play each oracle with a wrong first edit (one slip: a literal or builtin changed; its turn "
+                        "kept as untrained context), the failing test run, the fix, then the rest (ids end in "
+                        "-recovery)")
+    p.add_argument("--seed", type=int, default=0, help="--recovery: draws which literal goes wrong and how")
     add_env_args(p)
     args = p.parse_args(argv)
     try:
@@ -118,12 +215,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     records, dropped = build(tasks, args.oracle, config, args.concurrency,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+                             log=lambda line: print(line, file=sys.stderr, flush=True), recovery=args.recovery,
+                             seed=args.seed)
     with atomic_output(args.output) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     reasons = Counter(why.split(" (")[0] for why in dropped.values())
-    report = {"tasks": len(tasks), "kept": len(records), "dropped": len(dropped), "tool_declarations":
+    report = {"tasks": len(tasks), "kept": len(records), "dropped": len(dropped), "recovery": args.recovery,
+              "tool_declarations":
               config.tool_declarations, "dropped_by_reason": dict(reasons), "dropped_tasks": dropped}
     with atomic_output(args.output + ".report.json") as f:
         json.dump(report, f, indent=1)

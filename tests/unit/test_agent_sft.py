@@ -283,3 +283,52 @@ def test_run_eval_declares_compact_and_pins_it(tmp_path, capsys):
     assert run_eval_main()(["--tasks", suite, "--agent", f"script:{oracle}", "--out", str(tmp_path / "compact"),
                             "--env-sandbox-dir", str(tmp_path)]) == 2
     assert "holds a run with another tool_declarations (compact)" in capsys.readouterr().err
+
+
+def test_recovery_episodes_show_a_failing_run_and_train_only_the_fix(tmp_path, capsys):
+    """--recovery: each oracle played with one slip in its first edit. The wrong edit is context (untrained), the
+    tests it breaks really fail in the sandbox, the next turns put the one wrong line right and pass, and the SFT
+    loss covers every model turn but the wrong edit."""
+    tasks = tmp_path / "tasks"
+    assert load_tool("make_agent_tasks").main(["--out", str(tasks), "--seed", "5", "--train", "6",
+                                               "--heldout", "1"]) == 0
+    out = str(tmp_path / "recovery.jsonl")
+    code = load_tool("build_agent_sft").main(["--tasks", str(tasks / "train.jsonl"), "--oracle", str(tasks / "oracle"),
+                                              "--output", out, "--env-tool-declarations", "compact", "--recovery",
+                                              "--concurrency", "2", "--env-sandbox-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    records = [json.loads(line) for line in open(out)]
+    report = json.load(open(out + ".report.json"))
+    assert report["recovery"] is True and report["kept"] == len(records) >= 4, report
+    tokenizer = _tokenizer(tmp_path)
+    for record in records:
+        task_id = record["id"].removesuffix("-recovery")
+        assert record["id"].endswith("-recovery")
+        oracle = json.load(open(tasks / "oracle" / f"{task_id}.json"))
+        right = next(a for a in oracle if a["name"] == "edit_file")["arguments"]
+        turns = [m for m in record["messages"] if m["role"] == "assistant"]
+        calls = [(m["tool_calls"][0]["function"]["name"], json.loads(m["tool_calls"][0]["function"]["arguments"]))
+                 for m in turns]
+        untrained = [k for k, m in enumerate(turns) if m.get("train") is False]
+        assert len(untrained) == 1, record["id"]
+        k = untrained[0]
+        name, wrong = calls[k]
+        assert name == "edit_file" and wrong["old_text"] == right["old_text"] and wrong["path"] == right["path"]
+        assert wrong["new_text"] != right["new_text"]
+        assert len(wrong["new_text"].splitlines()) == len(right["new_text"].splitlines())
+        assert [c[0] for c in calls[k:]] == ["edit_file", "run_command", "edit_file", "run_command", "finish"]
+        fix = calls[k + 2][1]
+        assert fix["old_text"] in wrong["new_text"] and fix["new_text"] in right["new_text"]
+        assert wrong["new_text"].replace(fix["old_text"], fix["new_text"], 1) == right["new_text"]
+        runs = [m["content"] for m in record["messages"] if m["role"] == "tool" and "passed" in m["content"]
+                or m["role"] == "tool" and "failed" in m["content"]]
+        assert len(runs) == 2 and "failed" in runs[0] and not runs[0].rstrip().endswith("[exit code 0]")
+        assert runs[1].rstrip().endswith("[exit code 0]") and "failed" not in runs[1]
+        # the loss covers each model turn except the wrong edit
+        rendered = render_chat(tokenizer, record["messages"], tools=record["tools"])
+        trained = _model_turns(rendered)
+        assert len(trained) == len(turns) - 1
+        everything = render_chat(tokenizer, [{k2: v for k2, v in m.items() if k2 != "train"}
+                                             for m in record["messages"]], tools=record["tools"])
+        assert everything.ids == rendered.ids and sum(everything.loss_mask) > sum(rendered.loss_mask)

@@ -18,7 +18,8 @@ def test_agentic_learning_smoke(tmp_path):
     out = tmp_path / "agentic"
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/agentic_learning.py", "--out", str(out),
-                           "--smoke", "--temperature", "0.9", "--env-reward-weight", "tests_fraction=0.5"],
+                           "--smoke", "--temperature", "0.9", "--env-reward-weight", "tests_fraction=0.5",
+                           "--sft-recovery", "--sft-renamed-copies", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -31,6 +32,18 @@ def test_agentic_learning_smoke(tmp_path):
         calls = [t["function"]["name"] for m in c["messages"] if m["role"] == "assistant"
                  for t in m.get("tool_calls") or []]
         assert calls[-1] == "finish" and "edit_file" in calls
+    # --sft-recovery: each SFT task's oracle also played with a wrong first edit (untrained) and its fix; renamed
+    # copies are made of both kinds
+    recovery = [json.loads(line) for line in (out / "sft_recovery.jsonl").read_text().splitlines()]
+    assert len(recovery) >= len(conversations) // 2
+    for c in recovery:
+        untrained = [m for m in c["messages"] if m.get("train") is False]
+        assert c["id"].endswith("-recovery") and len(untrained) == 1
+        assert untrained[0]["tool_calls"][0]["function"]["name"] == "edit_file"
+    both = [json.loads(line) for line in (out / "sft_with_recovery.jsonl").read_text().splitlines()]
+    assert both == conversations + recovery
+    renamed = [json.loads(line)["id"] for line in (out / "sft_renamed_x2.jsonl").read_text().splitlines()]
+    assert sorted(renamed) == sorted(f"{c['id']}-renamed-{k}" for c in both for k in range(2))
 
     # RL: every RL task trained once, G episodes each, the environment's reward parts logged per step; the sampling
     # temperature and reward weights asked for reach the RL run
@@ -69,7 +82,8 @@ def test_agentic_learning_smoke(tmp_path):
         _, recorded = checkpoint_args(str(out / "ckpt" / name), "test")
         assert recorded.get("env_tool_declarations") == "compact", recorded.keys()
     assert os.path.getsize(out / "agentic_learning.png") > 10_000
-    assert set(summary["wall_s"]) >= {"tasks", "sft_data", "tokenizer", "pretrain_data", "pretrain", "sft", "rl",
+    assert set(summary["wall_s"]) >= {"tasks", "sft_data", "sft_recovery", "sft_renamed", "tokenizer",
+                                      "pretrain_data", "pretrain", "sft", "rl",
                                       "eval_sft", "eval_rl", "heldout_oracle", "turns_sft", "turns_rl"}
     # teacher-forced turns on the held-out oracle conversations: every oracle tool scored for both checkpoints
     for name in ("sft", "rl"):
