@@ -119,6 +119,11 @@ class ToolCall:
                 "error": self.error, "observation": self.observation}
 
 
+def _lines(text: str) -> int:
+    """Lines a piece of text spans: a final newline ends its last line rather than starting another."""
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
 def truncate(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -269,13 +274,11 @@ class Toolbox:
                             f"{', '.join(map(str, where))}); include more surrounding text so it is unique")
         self.sandbox.write_file(path, text.replace(old_text, new_text).encode())
         line = text.count("\n", 0, text.index(old_text)) + 1
-        return f"edited {path}: replaced {old_text.count(chr(10)) + 1} line(s) at line {line} with " \
-               f"{new_text.count(chr(10)) + 1} line(s)"
+        return f"edited {path}: replaced {_lines(old_text)} line(s) at line {line} with {_lines(new_text)} line(s)"
 
     def _write_file(self, path: str, content: str) -> str:
         self.sandbox.write_file(path, content.encode())
-        return f"wrote {path} ({content.count(chr(10)) + (0 if content.endswith(chr(10)) or not content else 1)} " \
-               f"lines, {len(content.encode())} bytes)"
+        return f"wrote {path} ({_lines(content)} lines, {len(content.encode())} bytes)"
 
     def _run_command(self, command: str, timeout_s: Optional[int] = None) -> str:
         if not command.strip():

@@ -78,9 +78,16 @@ def test_list_dir_and_grep(tools):
 def test_edit_and_write_file(tools):
     r = tools.call("edit_file", {"path": "calc/__init__.py", "old_text": "    raise NotImplementedError\n",
                                  "new_text": "    return a + b\n"})
-    assert r.valid and r.observation == "edited calc/__init__.py: replaced 2 line(s) at line 6 with 2 line(s)"
+    assert r.valid and r.observation == "edited calc/__init__.py: replaced 1 line(s) at line 6 with 1 line(s)"
     assert tools.sandbox.read_file("calc/__init__.py").decode() == STUB.replace("raise NotImplementedError",
                                                                                  "return a + b")
+    # a final newline ends the last line, it does not start another; no newline at all is still one line
+    assert tools.call("edit_file", {"path": "calc/__init__.py", "old_text": "    return a + b",
+                                    "new_text": "    return a + b  # sum\n    # end"}).observation == \
+        "edited calc/__init__.py: replaced 1 line(s) at line 6 with 2 line(s)"
+    assert tools.call("edit_file", {"path": "calc/__init__.py", "old_text": "    # end\n",
+                                    "new_text": ""}).observation == \
+        "edited calc/__init__.py: replaced 1 line(s) at line 7 with 0 line(s)"
     assert "old_text is empty" in tools.call("edit_file", {"path": "calc/__init__.py", "old_text": "",
                                                            "new_text": "x"}).error
     assert tools.call("write_file", {"path": "new/dir/f.py", "content": "a\nb\n"}).observation == \
