@@ -24,7 +24,8 @@ again; DIR is --out):
                 --sft-recovery adds each SFT task's oracle played with a wrong first edit and its fix
                 (tools/build_agent_sft.py --recovery, DIR/sft_recovery.jsonl): what to do after a failing test run
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
-                per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs)
+                per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs); rollouts sampled at
+                --rl-temperature (default: --temperature)
   7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at
                 --temperature, 1 by default, as RL samples; DIR/eval/sft, DIR/eval/rl), then --compare
                 (DIR/eval/compare)
@@ -539,7 +540,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--env-reward-weight), e.g. tests_fraction=0.5: partial credit for the hidden tests an "
                         "attempt passes")
     p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature of RL's rollouts (--rl-temperature) and of the evaluation")
+                   help="sampling temperature of the evaluation and, unless --rl-temperature says otherwise, of RL's "
+                        "rollouts")
+    p.add_argument("--rl-temperature", type=float, default=None,
+                   help="sampling temperature of RL's rollouts only (rl_composer.py --rl-temperature; the trainer's "
+                        "log-probabilities use it too), so that a nearly deterministic SFT policy's groups differ "
+                        "while the evaluation keeps --temperature (default: --temperature)")
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
@@ -555,6 +561,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if p.parse_known_args(argv)[0].smoke:
         p.set_defaults(**SMOKE)
     a = p.parse_args(argv)
+    for flag, value in (("--temperature", a.temperature), ("--rl-temperature", a.rl_temperature)):
+        if value is not None and value <= 0:
+            p.error(f"{flag} must be positive (got {value:g}): RL and the evaluation sample")
     if a.plot is None:
         a.plot = os.path.join(a.out, "agentic_learning.png") if a.smoke else os.path.join(ROOT, "docs",
                                                                                           "agentic_learning.png")
@@ -673,6 +682,7 @@ def main(argv=None):
               "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")),
         settings=dict(model=model, iters=a.sft_iters, lr=a.sft_lr, batch=a.sft_batch, prompt=PROMPT_OPTIONS, **seed),
         after=["tokenizer", sft_source] + (["pretrain"] if code_corpus else []), outputs=[sft_ckpt])
+    rl_temperature = a.temperature if a.rl_temperature is None else a.rl_temperature
     async_flags = ["--rl-rollout-workers", a.rollout_workers, "--rl-max-staleness", a.max_staleness] \
         if a.rollout_workers else []
     set_aside_if_stale([rl_ckpt, rl_logs], saved_marker(rl_ckpt),
@@ -686,13 +696,13 @@ def main(argv=None):
                     "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
                     "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
-                    "--rl-max-turns", a.max_turns, "--rl-temperature", a.temperature, "--log-interval", 1,
+                    "--rl-max-turns", a.max_turns, "--rl-temperature", rl_temperature, "--log-interval", 1,
                     *[f"--env-reward-weight={w}" for w in a.env_reward_weight], "--seed", a.seed],
         log("rl")), after=["tasks", "sft"], outputs=[rl_ckpt, rl_logs],
         settings=dict(env=a.rl_env, async_flags=async_flags, iters=a.rl_iters, lr=a.rl_lr, kl_beta=a.kl_beta,
                       group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
-                      temperature=a.temperature, reward_weights=sorted(a.env_reward_weight), **seed))
+                      temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed))
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         run_dir = os.path.join(eval_dir, name)
@@ -751,7 +761,8 @@ def main(argv=None):
              + (f" x {a.sft_renamed_copies} renamed" if a.sft_renamed_copies else "")
              + (f" + {a.sft_copy_drills} copy drills" if a.sft_copy_drills else "")
              + f" ({a.sft_iters} steps), GRPO on {a.rl_iters * a.prompts_per_step} tasks x "
-             f"{a.group_size}; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}")
+             f"{a.group_size}" + (f" at T={a.rl_temperature:g}" if a.rl_temperature is not None else "")
+             + f"; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}")
         print(f"plot: {a.plot}")
     return 0
 

@@ -256,6 +256,7 @@ def main(argv=None) -> int:
                     "tool_declarations": config.tool_declarations,
                     "task_ids": [t.id for t in tasks], "passes": args.passes,
                     "limits": limits if any(v is not None for v in limits.values()) else None,
+                    "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens},
                     "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         run.check(manifest)  # refuse another run's directory before starting anything
         endpoint = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature}

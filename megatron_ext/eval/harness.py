@@ -51,7 +51,7 @@ EPISODES = "episodes"
 
 # what a manifest written before a key existed meant by leaving it out
 PINNED_DEFAULTS = {"agent_mode": "single", "swarm": None, "limits": None, "tool_declarations": "full"}
-PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits", "tool_declarations")
+PINNED = ("agent", "model", "task_ids", "agent_mode", "swarm", "limits", "tool_declarations", "sampling")
 NOT_STARTED = (126, 127)  # /bin/sh: the test command is not executable / not found
 
 
@@ -96,11 +96,13 @@ class RunDir:
                                "choose an empty or new directory")
             return None
         for key in PINNED:
+            if key not in old and key not in PINNED_DEFAULTS:
+                continue  # recorded since, with nothing to say what an older run used (its sampling): not checked
             if old.get(key, PINNED_DEFAULTS.get(key)) != manifest.get(key, PINNED_DEFAULTS.get(key)):
                 raise RunError(f"--out {self.root} holds a run with another {key} ({str(old.get(key))[:200]}); "
                                "resume it with the same --tasks/--agent/--model/--agent-mode/--swarm-*/--filter/"
-                               "--task-ids/--max-turns/--episode-timeout-s/--env-tool-declarations, or choose "
-                               "another --out")
+                               "--task-ids/--max-turns/--episode-timeout-s/--env-tool-declarations/--temperature/"
+                               "--max-tokens, or choose another --out")
         return old
 
     def start(self, manifest: dict) -> int:

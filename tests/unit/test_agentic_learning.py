@@ -18,8 +18,8 @@ def test_agentic_learning_smoke(tmp_path):
     out = tmp_path / "agentic"
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/agentic_learning.py", "--out", str(out),
-                           "--smoke", "--temperature", "0.9", "--env-reward-weight", "tests_fraction=0.5",
-                           "--sft-recovery", "--sft-renamed-copies", "2"],
+                           "--smoke", "--temperature", "0.9", "--rl-temperature", "1.1", "--env-reward-weight",
+                           "tests_fraction=0.5", "--sft-recovery", "--sft-renamed-copies", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -46,10 +46,12 @@ def test_agentic_learning_smoke(tmp_path):
     assert sorted(renamed) == sorted(f"{c['id']}-renamed-{k}" for c in both for k in range(2))
 
     # RL: every RL task trained once, G episodes each, the environment's reward parts logged per step; the sampling
-    # temperature and reward weights asked for reach the RL run
+    # temperature (--rl-temperature; the evaluation keeps --temperature) and reward weights asked for reach the RL run
     rl_log = (out / "logs" / "rl.log").read_text()
-    assert re.search(r"rl_temperature \.+ 0\.9\n", rl_log) and "['tests_fraction=0.5']" in rl_log
-    assert settings["temperature"] == 0.9
+    assert re.search(r"rl_temperature \.+ 1\.1\n", rl_log) and "['tests_fraction=0.5']" in rl_log
+    assert settings["temperature"] == 0.9 and settings["rl_temperature"] == 1.1
+    for name in ("sft", "rl"):
+        assert json.loads((out / "eval" / name / "run.json").read_text())["sampling"]["temperature"] == 0.9
     groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
     rl_ids = [json.loads(line)["id"] for line in (out / "tasks" / "rl.jsonl").read_text().splitlines()]
     assert sorted(g["prompt_id"] for g in groups) == sorted(rl_ids)

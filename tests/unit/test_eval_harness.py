@@ -173,6 +173,30 @@ def test_killed_run_resumes_without_redoing_finished_episodes(tmp_path, capsys):
         RunDir(out).start({**json.load(open(os.path.join(out, "run.json"))), "agent": f"script:{root}"})
 
 
+def test_resume_with_other_sampling_is_refused(tmp_path, capsys):
+    """run.json pins the sampling temperature and tokens per turn: more passes at another temperature would mix
+    two policies' samples in one accuracy. A run recorded before the pin (no "sampling") still resumes."""
+    root = str(tmp_path)
+    suite, oracle = make_suite(root, ids=("add-a",)), oracle_dir(root, ids=("add-a",))
+    out = os.path.join(root, "run")
+    main = run_eval_main()
+    base = ["--tasks", suite, "--agent", f"script:{oracle}", "--out", out, "--env-sandbox-dir", root]
+    assert main(base + ["--temperature", "0.7", "--max-tokens", "64"]) == 0
+    manifest = json.load(open(os.path.join(out, "run.json")))
+    assert manifest["sampling"] == {"temperature": 0.7, "max_tokens": 64}
+    capsys.readouterr()
+    for other in (["--temperature", "1.0", "--max-tokens", "64"], ["--temperature", "0.7", "--max-tokens", "65"]):
+        assert main(base + other + ["--passes", "2"]) == 2
+        assert "holds a run with another sampling ({'temperature': 0.7, 'max_tokens': 64})" in capsys.readouterr().err
+    assert _summary(out)["episodes"] == 1  # nothing ran
+    assert main(base + ["--temperature", "0.7", "--max-tokens", "64", "--passes", "2"]) == 0
+    assert _summary(out)["episodes"] == 2
+    del manifest["sampling"]  # as written before the pin
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump(manifest, f)
+    assert main(base + ["--temperature", "1.0", "--passes", "2"]) == 0
+
+
 def test_unreachable_endpoint_stores_nothing_and_is_retried(runs, tmp_path):
     import socket
 
