@@ -55,7 +55,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.eval.stats import wilson  # noqa: E402
+from megatron_ext.eval.stats import paired_permutation, wilson  # noqa: E402
 from megatron_ext.lifetime import run_tied  # noqa: E402
 
 PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
@@ -387,26 +387,25 @@ def eval_metrics(run_dir: str, passes: int, own_paths: dict, sft_paths: set, gro
             "statuses": summary["statuses"]}
 
 
-def rl_solved_by(log_dir: str, groups: dict) -> dict:
-    """solved_by over RL's training episodes (an episode's reward parts are on its first sequence)."""
-    outcomes = []
+def rl_episodes(log_dir: str) -> list[dict]:
+    """RL's training episodes in the order sampled (rollouts.jsonl holds one line per sampled sequence; an episode's
+    reward parts are on its first sequence), read once for the curve, the depth split and the trained task ids."""
     with open(os.path.join(log_dir, "rollouts.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("sequence_index", 0) == 0:
-                outcomes.append((record["prompt_id"], (record.get("reward_parts") or {}).get("correctness", 0) >= 1))
-    return solved_by(outcomes, groups)
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("sequence_index", 0) == 0]
 
 
-def rl_curve(log_dir: str) -> list[dict]:
-    """Per RL step: the mean total reward and the mean of each reward part over the step's episodes
-    (rollouts.jsonl, one line per sampled sequence; an episode's parts are on its first sequence)."""
+def rl_solved_by(episodes: list[dict], groups: dict) -> dict:
+    """solved_by over RL's training episodes."""
+    return solved_by([(r["prompt_id"], (r.get("reward_parts") or {}).get("correctness", 0) >= 1) for r in episodes],
+                     groups)
+
+
+def rl_curve(episodes: list[dict]) -> list[dict]:
+    """Per RL step: the mean total reward and the mean of each reward part over the step's episodes."""
     steps: dict[int, list] = {}
-    with open(os.path.join(log_dir, "rollouts.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("sequence_index", 0) == 0:
-                steps.setdefault(record["step"], []).append(record)
+    for record in episodes:
+        steps.setdefault(record["step"], []).append(record)
     curve = []
     for step in sorted(steps):
         records = steps[step]
@@ -417,6 +416,30 @@ def rl_curve(log_dir: str) -> list[dict]:
         curve.append({"step": step, "reward": sum(r["reward"] for r in records) / len(records),
                       **{k: sum(v) / len(v) for k, v in sorted(parts.items()) if k != "length"}})
     return curve
+
+
+def per_task_success(run_dir: str) -> dict[str, float]:
+    """task id -> mean correctness over its passes, from run_eval's summary."""
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    return {task: sum(t["correct"]) / len(t["correct"]) for task, t in summary["per_task"].items() if t["correct"]}
+
+
+def rl_split_effect(sft_run: str, rl_run: str, trained: set) -> dict:
+    """SFT against RL on RL's own task split, paired per task, separately over the tasks RL trained on and those it
+    did not (the split's tail beyond --rl-iters x --prompts-per-step): whether RL learns at all (its trained tasks)
+    apart from whether what it learns carries to unseen tasks of the training shapes and to held-out shapes."""
+    before, after = per_task_success(sft_run), per_task_success(rl_run)
+    out = {}
+    for part, keep in (("trained", lambda t: t in trained), ("untrained", lambda t: t not in trained)):
+        tasks = sorted(t for t in before if t in after and keep(t))
+        if not tasks:
+            out[part] = {"tasks": 0}
+            continue
+        diffs = [after[t] - before[t] for t in tasks]
+        p, test = paired_permutation(diffs)
+        out[part] = {"tasks": len(tasks), "sft": sum(before[t] for t in tasks) / len(tasks),
+                     "rl": sum(after[t] for t in tasks) / len(tasks), "p": p, "test": test}
+    return out
 
 
 RATE_PARTS = ("correctness", "tests_fraction", "communication")  # in [0, 1] per episode
@@ -548,6 +571,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "while the evaluation keeps --temperature (default: --temperature)")
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
+    p.add_argument("--eval-rl-split", type=int, default=0, metavar="K",
+                   help="also evaluate both checkpoints on RL's own task split (DIR/tasks/rl.jsonl), K passes a task "
+                        "(DIR/eval/{sft,rl}_rl_split): SFT against RL over the tasks RL trained on and, apart, over "
+                        "those it did not (the split's tail when --rl-iters x --prompts-per-step < --rl-tasks), "
+                        "paired per task; says whether RL learns at all and whether it carries to unseen tasks "
+                        "(0: not run)")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
     p.add_argument("--rollout-workers", type=int, default=0,
                    help="the asynchronous path: RL rollouts on this many Ray workers (rl_composer.py "
@@ -564,6 +593,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, value in (("--temperature", a.temperature), ("--rl-temperature", a.rl_temperature)):
         if value is not None and value <= 0:
             p.error(f"{flag} must be positive (got {value:g}): RL and the evaluation sample")
+    if a.eval_rl_split < 0:
+        p.error(f"--eval-rl-split is a number of passes (got {a.eval_rl_split})")
     if a.plot is None:
         a.plot = os.path.join(a.out, "agentic_learning.png") if a.smoke else os.path.join(ROOT, "docs",
                                                                                           "agentic_learning.png")
@@ -703,19 +734,21 @@ def main(argv=None):
                       group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
                       temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed))
+    def evaluate(phase: str, ckpt: str, ckpt_phase: str, tasks: str, passes: int, run_dir: str):
+        """run_eval of a checkpoint on a task file, the benchmark's sampling, with the local agent."""
+        set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), tasks])
+        phases(phase, lambda: os.path.exists(os.path.join(run_dir, "summary.json")), lambda: run(
+            py + ["tools/run_eval.py", "--tasks", tasks, "--agent", f"local:{ckpt}",
+                  "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", passes,
+                  "--temperature", a.temperature, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
+                  "--concurrency", 2, "--out", run_dir], log(phase)),
+            settings=dict(passes=passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns,
+                          temperature=a.temperature),
+            after=["tasks", "tokenizer", ckpt_phase], outputs=[run_dir])
+
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
-        run_dir = os.path.join(eval_dir, name)
-        set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), heldout])
-        phases(f"eval_{name}", lambda run_dir=run_dir: os.path.exists(os.path.join(run_dir, "summary.json")),
-               lambda ckpt=ckpt, run_dir=run_dir: run(
-            py + ["tools/run_eval.py", "--tasks", heldout, "--agent", f"local:{ckpt}",
-                  "--serve-arg=--tokenizer-model", f"--serve-arg={tokenizer}", "--passes", a.passes,
-                  "--temperature", a.temperature, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
-                  "--concurrency", 2, "--out", run_dir], log(f"eval_{name}")),
-            settings=dict(passes=a.passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns,
-                          temperature=a.temperature),
-            after=["tasks", "tokenizer", name], outputs=[run_dir])
+        evaluate(f"eval_{name}", ckpt, name, heldout, a.passes, os.path.join(eval_dir, name))
     heldout_oracle = os.path.join(out, "heldout_oracle.jsonl")
     phases("heldout_oracle", lambda: os.path.exists(heldout_oracle), lambda: run(
         py + ["tools/build_agent_sft.py", "--tasks", heldout, "--oracle", os.path.join(tasks_dir, "oracle"),
@@ -736,6 +769,11 @@ def main(argv=None):
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
               "--out", compare_dir], log("compare")), after=["eval_sft", "eval_rl"], outputs=[compare_dir])
 
+    rl_tasks = os.path.join(tasks_dir, "rl.jsonl")
+    for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)) if a.eval_rl_split else ():
+        evaluate(f"eval_{name}_rl_split", ckpt, name, rl_tasks, a.eval_rl_split,
+                 os.path.join(eval_dir, f"{name}_rl_split"))
+
     oracle_dir = os.path.join(tasks_dir, "oracle")
     own_paths = oracle_read_paths(heldout, oracle_dir)
     sft_paths = set(oracle_read_paths(os.path.join(tasks_dir, "sft.jsonl"), oracle_dir).values())
@@ -747,13 +785,17 @@ def main(argv=None):
             metrics[name]["teacher_forced"] = {tool: {k: r[k] for k in ("turns", "exact_rate", "token_accuracy")}
                                                for tool, r in json.load(f)["per_tool"].items()}
     compared = json.load(open(os.path.join(compare_dir, "compare.json")))
-    curve = rl_curve(rl_logs)
-    rl_solved = rl_solved_by(rl_logs, task_groups(os.path.join(tasks_dir, "rl.jsonl")))
+    episodes = rl_episodes(rl_logs)
+    curve = rl_curve(episodes)
+    rl_solved = rl_solved_by(episodes, task_groups(rl_tasks))
+    split = rl_split_effect(os.path.join(eval_dir, "sft_rl_split"), os.path.join(eval_dir, "rl_rl_split"),
+                            {r["prompt_id"] for r in episodes}) if a.eval_rl_split else None
     summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
-               "compare": compared, "rl_curve": curve, "rl_solved_by": rl_solved, "wall_s": phases.seconds}
+               "compare": compared, "rl_curve": curve, "rl_solved_by": rl_solved, "rl_split": split,
+               "wall_s": phases.seconds}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(markdown(metrics, compared, curve, phases.seconds, a.passes, rl_solved))
+    print(markdown(metrics, compared, curve, phases.seconds, a.passes, rl_solved, split, a.eval_rl_split))
     if a.plot:
         plot(a.plot, metrics, curve, a.passes,
              f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
@@ -771,7 +813,8 @@ def solved_line(cells: dict) -> str:
     return ", ".join(f"{key} {c['solved']}/{c['episodes']}" for key, c in cells.items())
 
 
-def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int, rl_solved: dict) -> str:
+def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int, rl_solved: dict,
+             split: dict | None = None, split_passes: int = 0) -> str:
     fmt_ci = lambda v, ci: f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
     rows = ["| checkpoint | held-out success (mean of K, 95% Wilson) | pass@K (95% Wilson) | valid tool calls | "
             "tests run before finish | turns / episode | output tokens / episode | forbidden edits |",
@@ -807,6 +850,13 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
     rows.append("")
     rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy "
                 f"{pair['accuracy_a']:.3f} -> {pair['accuracy_b']:.3f}, p = {pair['p']:.4g} ({pair['test']})")
+    if split:
+        rows.append("")
+        parts = (("trained on", split["trained"]), ("not trained on", split["untrained"]))
+        passes_a_task = f"{split_passes} pass{'es' if split_passes != 1 else ''} a task"
+        rows.append(f"RL's own task split, {passes_a_task}, SFT -> RL: " + "; ".join(
+            f"{label} {c['tasks']} tasks {c['sft']:.3f} -> {c['rl']:.3f}, p = {c['p']:.4g}" if c["tasks"] else
+            f"{label}: none" for label, c in parts))
     rows.append("")
     rows.append("| RL step | reward | " + " | ".join(k for k in curve[0] if k not in ("step", "reward")) + " |"
                 if curve else "")

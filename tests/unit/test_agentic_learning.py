@@ -19,7 +19,8 @@ def test_agentic_learning_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/agentic_learning.py", "--out", str(out),
                            "--smoke", "--temperature", "0.9", "--rl-temperature", "1.1", "--env-reward-weight",
-                           "tests_fraction=0.5", "--sft-recovery", "--sft-renamed-copies", "2"],
+                           "tests_fraction=0.5", "--sft-recovery", "--sft-renamed-copies", "2", "--rl-iters", "1",
+                           "--eval-rl-split", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -54,7 +55,9 @@ def test_agentic_learning_smoke(tmp_path):
         assert json.loads((out / "eval" / name / "run.json").read_text())["sampling"]["temperature"] == 0.9
     groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
     rl_ids = [json.loads(line)["id"] for line in (out / "tasks" / "rl.jsonl").read_text().splitlines()]
-    assert sorted(g["prompt_id"] for g in groups) == sorted(rl_ids)
+    # one step (--rl-iters 1): its prompts are RL tasks, each once; the split's other tasks stay untrained
+    trained = {g["prompt_id"] for g in groups}
+    assert len(groups) == len(trained) == settings["prompts_per_step"] < len(rl_ids) and trained <= set(rl_ids)
     assert all(len(g["rewards"]) == settings["group_size"] for g in groups)
     assert summary["rl_curve"] and {"correctness", "invalid_calls"} <= set(summary["rl_curve"][0])
 
@@ -75,6 +78,16 @@ def test_agentic_learning_smoke(tmp_path):
     assert set(summary["heldout"]["sft"]["solved_by"]["depth"]) <= {"2", "3"}  # one primitive always trains
     rl_depths = summary["rl_solved_by"]["depth"]
     assert sum(c["episodes"] for c in rl_depths.values()) == len(groups) * settings["group_size"]
+    # --eval-rl-split 1: both checkpoints on RL's own split, paired over its trained and its untrained tasks
+    for name in ("sft", "rl"):
+        records = [json.loads(line) for line in
+                   (out / "eval" / f"{name}_rl_split" / "episodes.jsonl").read_text().splitlines()]
+        assert sorted(r["task"] for r in records) == sorted(rl_ids)
+    split = summary["rl_split"]
+    assert split["trained"]["tasks"] == len(trained) and split["untrained"]["tasks"] == len(rl_ids) - len(trained)
+    assert all(0.0 <= split[part][k] <= 1.0 for part in ("trained", "untrained") for k in ("sft", "rl", "p"))
+    assert re.search(rf"RL's own task split, 1 pass a task, SFT -> RL: trained on {len(trained)} tasks "
+                     rf"[0-9.]+ -> [0-9.]+, p = ", done.stdout)
     pair = summary["compare"]["against_baseline"]["rl"]
     assert pair["shared_tasks"] == len(heldout) and 0.0 <= pair["p"] <= 1.0
     # the checkpoints carry the agent-prompt option they were trained with
@@ -86,7 +99,8 @@ def test_agentic_learning_smoke(tmp_path):
     assert os.path.getsize(out / "agentic_learning.png") > 10_000
     assert set(summary["wall_s"]) >= {"tasks", "sft_data", "sft_recovery", "sft_renamed", "tokenizer",
                                       "pretrain_data", "pretrain", "sft", "rl",
-                                      "eval_sft", "eval_rl", "heldout_oracle", "turns_sft", "turns_rl"}
+                                      "eval_sft", "eval_rl", "heldout_oracle", "turns_sft", "turns_rl",
+                                      "eval_sft_rl_split", "eval_rl_rl_split"}
     # teacher-forced turns on the held-out oracle conversations: every oracle tool scored for both checkpoints
     for name in ("sft", "rl"):
         turns = summary["heldout"][name]["teacher_forced"]
@@ -134,6 +148,29 @@ def test_solved_by_counts_each_episode_once_per_axis(tmp_path):
                               "?": {"episodes": 1, "solved": 1}}
     assert cells["kind"]["bugfix"] == {"episodes": 2, "solved": 1} and bench.solved_line(cells["kind"]) == \
         "? 1/1, bugfix 1/2, implement 0/1"
+
+
+def test_rl_split_effect_pairs_tasks_and_keeps_trained_apart_from_untrained(tmp_path):
+    bench = _benchmark()
+
+    def run(name, per_task):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(
+            {"per_task": {t: {"correct": c} for t, c in per_task.items()}}))
+        return str(tmp_path / name)
+
+    # RL solved its 20 trained tasks where SFT solved none; on the unseen ones it lost a little
+    trained = {f"t{i}" for i in range(20)}
+    sft = run("sft", {**{t: [0, 0] for t in trained}, "u0": [1, 1], "u1": [1, 0], "gone": [1, 1]})
+    rl = run("rl", {**{t: [1, 1] for t in trained}, "u0": [1, 0], "u1": [1, 0], "new": [0, 0]})
+    split = bench.rl_split_effect(sft, rl, trained | {"absent"})
+    assert split["trained"]["tasks"] == 20 and (split["trained"]["sft"], split["trained"]["rl"]) == (0.0, 1.0)
+    assert split["trained"]["p"] < 0.001  # 20 tasks all up: Monte Carlo over sign flips
+    # only tasks both runs hold are paired ("gone", "new" are not); an untrained task RL never saw counts there
+    assert split["untrained"]["tasks"] == 2 and split["untrained"]["sft"] == 0.75 and split["untrained"]["rl"] == 0.5
+    assert split["untrained"]["p"] == 1.0  # one difference of -0.5: both sign patterns reach it
+    none = bench.rl_split_effect(sft, rl, trained | {"u0", "u1"})
+    assert none["untrained"] == {"tasks": 0}
 
 
 def _fake_save(root, iteration):
