@@ -259,7 +259,7 @@ def main(argv=None) -> int:
                     "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens},
                     "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         run.check(manifest)  # refuse another run's directory before starting anything
-        endpoint = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+        endpoint = {"model": args.model, **manifest["sampling"]}  # the sampling run.json pins is what the agent gets
         url = None
         if args.agent.startswith("local:"):
             url, stop = serve_local(args.agent[len("local:"):], args.serve_arg)
