@@ -448,8 +448,9 @@ BEHAVIOUR = (("valid_tool_call_rate", "valid tool calls"), ("read_file_ok_rate",
              ("edit_file_ok_rate", "edit_file matched"), ("tests_before_finish_rate", "tests before finish"))
 
 
-def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
-    """Held-out success per checkpoint, how the agent used its tools, and the reward's parts per RL step."""
+def plot(path: str, metrics: dict, curve: list, passes: int, title: str, split: dict | None = None):
+    """Held-out success per checkpoint (and, with --eval-rl-split, success on RL's own tasks, trained on and not),
+    how the agent used its tools, and the reward's parts per RL step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -463,10 +464,15 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str):
         xs = [i + offset for i in range(len(names))]
         left.errorbar(xs, ys, yerr=[[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]],
                       fmt="o", capsize=4, label=label)
+    for part, marker in (("trained", "s"), ("untrained", "^")):
+        c = (split or {}).get(part, {})
+        if c.get("tasks") and names == ["sft", "rl"]:
+            left.plot([0, 1], [c["sft"], c["rl"]], marker=marker, linestyle=":",
+                      label=f"RL's {'own' if part == 'trained' else 'unseen'} tasks ({c['tasks']}), p = {c['p']:.2g}")
     left.set_xticks(range(len(names)), names)
     left.set_xlim(-0.6, len(names) - 0.4)
     left.set_ylim(0, 1)
-    left.set_ylabel("held-out success (95% Wilson interval)")
+    left.set_ylabel("success (held-out: 95% Wilson interval)")
     left.legend()
     left.grid(alpha=0.3)
     width = 0.8 / len(names)
@@ -804,7 +810,7 @@ def main(argv=None):
              + (f" + {a.sft_copy_drills} copy drills" if a.sft_copy_drills else "")
              + f" ({a.sft_iters} steps), GRPO on {a.rl_iters * a.prompts_per_step} tasks x "
              f"{a.group_size}" + (f" at T={a.rl_temperature:g}" if a.rl_temperature is not None else "")
-             + f"; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}")
+             + f"; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}", split)
         print(f"plot: {a.plot}")
     return 0
 
