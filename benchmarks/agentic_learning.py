@@ -336,6 +336,21 @@ def task_groups(tasks_file: str) -> dict:
     return out
 
 
+def no_heldout_shapes(tasks_file: str, heldout_file: str):
+    """Refuses RL tasks (--rl-prompts) whose program shape is one of the held-out tasks': RL on them would make the
+    held-out evaluation a test of memory, not generalisation."""
+    def shapes(path: str) -> dict:
+        tasks = [json.loads(line) for line in open(path) if line.strip()]
+        return {task["id"]: (task.get("metadata") or {}).get("program_shape") for task in tasks}
+
+    held = {shape for shape in shapes(heldout_file).values() if shape}
+    clash = sorted(task for task, shape in shapes(tasks_file).items() if shape in held)
+    if clash:
+        raise SystemExit(f"--rl-prompts {tasks_file}: {len(clash)} task(s) have a held-out program shape "
+                         f"({', '.join(clash[:5])}{', ...' if len(clash) > 5 else ''}); generate them with "
+                         "tools/make_agent_tasks.py, whose training split never holds one")
+
+
 def solved_by(outcomes: list, groups: dict) -> dict:
     """{"depth": {D: {"episodes", "solved"}}, "kind": {...}} over (task id, solved) pairs: held-out success falls
     with the number of primitives composed, which one mean hides."""
@@ -557,6 +572,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
+    p.add_argument("--rl-prompts", default=None, metavar="JSONL",
+                   help="RL's tasks from this task file instead of the benchmark's own split (DIR/tasks/rl.jsonl), "
+                        "e.g. tools/make_agent_tasks.py run with another seed, filtered: as many distinct tasks as "
+                        "RL needs without regenerating (and re-running SFT on) the benchmark's tasks; refused if a "
+                        "task has a held-out program shape; --rl-tasks still sizes the benchmark's own split")
     p.add_argument("--rl-iters", type=int, default=None, help="RL steps (default: every RL task once)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -609,10 +629,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.rl_iters is None:
-        a.rl_iters = a.rl_tasks // a.prompts_per_step
     out = os.path.abspath(a.out)
     tasks_dir, tokenizer = os.path.join(out, "tasks"), os.path.join(out, "tokenizer")
+    rl_tasks = os.path.abspath(a.rl_prompts) if a.rl_prompts else os.path.join(tasks_dir, "rl.jsonl")
+    if a.rl_prompts and not os.path.isfile(rl_tasks):
+        raise SystemExit(f"--rl-prompts {a.rl_prompts}: no such file")
+    if a.rl_iters is None:
+        a.rl_iters = (len(task_groups(rl_tasks)) if a.rl_prompts else a.rl_tasks) // a.prompts_per_step
     sft_data = os.path.join(out, "sft.jsonl")
     sft_ckpt, rl_ckpt = os.path.join(out, "ckpt", "sft"), os.path.join(out, "ckpt", "rl")
     rl_logs, eval_dir = os.path.join(out, "rl_logs"), os.path.join(out, "eval")
@@ -722,11 +745,12 @@ def main(argv=None):
     rl_temperature = a.temperature if a.rl_temperature is None else a.rl_temperature
     async_flags = ["--rl-rollout-workers", a.rollout_workers, "--rl-max-staleness", a.max_staleness] \
         if a.rollout_workers else []
-    set_aside_if_stale([rl_ckpt, rl_logs], saved_marker(rl_ckpt),
-                       [saved_marker(sft_ckpt), os.path.join(tasks_dir, "rl.jsonl")])
+    if a.rl_prompts:
+        no_heldout_shapes(rl_tasks, os.path.join(tasks_dir, "heldout.jsonl"))
+    set_aside_if_stale([rl_ckpt, rl_logs], saved_marker(rl_ckpt), [saved_marker(sft_ckpt), rl_tasks])
     phases("rl", done(rl_ckpt, a.rl_iters), lambda: run(
         launcher(a.ranks) + [
-            "rl_composer.py", "--rl-env", a.rl_env, *async_flags, "--rl-prompts", os.path.join(tasks_dir, "rl.jsonl"),
+            "rl_composer.py", "--rl-env", a.rl_env, *async_flags, "--rl-prompts", rl_tasks,
                     "--tokenizer-model", tokenizer, *resume_or(rl_ckpt, ["--load", sft_ckpt, "--finetune"]),
                     "--use-checkpoint-args",
                     *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
@@ -739,7 +763,8 @@ def main(argv=None):
         settings=dict(env=a.rl_env, async_flags=async_flags, iters=a.rl_iters, lr=a.rl_lr, kl_beta=a.kl_beta,
                       group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
-                      temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed))
+                      temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed,
+                      **({"rl_prompts": rl_tasks} if a.rl_prompts else {})))
     def evaluate(phase: str, ckpt: str, ckpt_phase: str, tasks: str, passes: int, run_dir: str):
         """run_eval of a checkpoint on a task file, the benchmark's sampling, with the local agent."""
         set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), tasks])
@@ -775,7 +800,6 @@ def main(argv=None):
         py + ["tools/run_eval.py", "--compare", os.path.join(eval_dir, "sft"), os.path.join(eval_dir, "rl"),
               "--out", compare_dir], log("compare")), after=["eval_sft", "eval_rl"], outputs=[compare_dir])
 
-    rl_tasks = os.path.join(tasks_dir, "rl.jsonl")
     for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)) if a.eval_rl_split else ():
         evaluate(f"eval_{name}_rl_split", ckpt, name, rl_tasks, a.eval_rl_split,
                  os.path.join(eval_dir, f"{name}_rl_split"))

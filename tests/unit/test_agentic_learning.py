@@ -114,6 +114,24 @@ def test_agentic_learning_smoke(tmp_path):
     assert pretrained["seq_length"] == settings["pretrain_seq_length"] != settings["seq_length"]
     assert f"loaded {out / 'ckpt' / 'pretrain'}" in (out / "logs" / "sft.log").read_text()
 
+    # --rl-prompts: RL on tasks generated with another seed; the same command re-run reuses every phase before RL,
+    # sets the first RL aside and trains on the other file, whose trained and untrained parts --eval-rl-split scores
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "tools/make_agent_tasks.py", "--out", str(other), "--seed", "5", "--train", "6",
+                    "--heldout", "1"], cwd=ROOT, env=env, check=True, capture_output=True)
+    again = subprocess.run(done.args + ["--rl-prompts", str(other / "train.jsonl")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "[sft] done before" in again.stdout and "[eval_sft] done before" in again.stdout
+    assert (out / "ckpt" / "rl.stale-1").is_dir() and (out / "rl_logs.stale-1").is_dir()
+    other_ids = [json.loads(line)["id"] for line in (other / "train.jsonl").read_text().splitlines()]
+    groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
+    assert {g["prompt_id"] for g in groups} <= set(other_ids) and len(groups) == settings["prompts_per_step"]
+    split = json.loads((out / "summary.json").read_text())["rl_split"]
+    assert (split["trained"]["tasks"], split["untrained"]["tasks"]) == (len(groups), len(other_ids) - len(groups))
+    records = [json.loads(line) for line in (out / "eval" / "rl_rl_split" / "episodes.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in records) == sorted(other_ids)
+
 
 def _benchmark():
     from tests.unit.data_fixtures import load_tool
@@ -171,6 +189,22 @@ def test_rl_split_effect_pairs_tasks_and_keeps_trained_apart_from_untrained(tmp_
     assert split["untrained"]["p"] == 1.0  # one difference of -0.5: both sign patterns reach it
     none = bench.rl_split_effect(sft, rl, trained | {"u0", "u1"})
     assert none["untrained"] == {"tasks": 0}
+
+
+def test_rl_prompts_with_a_held_out_program_shape_are_refused(tmp_path):
+    bench = _benchmark()
+    task = lambda i, shape: json.dumps({"id": f"t{i}", "metadata": {"program_shape": shape}})  # noqa: E731
+    heldout, rl = tmp_path / "heldout.jsonl", tmp_path / "rl.jsonl"
+    heldout.write_text(task(0, "min | mod | add") + "\n")
+    rl.write_text(task(1, "upper | reverse") + "\n" + task(2, "sum") + "\n")
+    bench.no_heldout_shapes(str(rl), str(heldout))  # no shape in common: accepted
+    rl.write_text(rl.read_text() + task(3, "min | mod | add") + "\n")
+    try:
+        bench.no_heldout_shapes(str(rl), str(heldout))
+    except SystemExit as e:
+        assert "1 task(s) have a held-out program shape (t3)" in str(e)
+    else:
+        raise AssertionError("a held-out shape among RL's tasks was accepted")
 
 
 def _fake_save(root, iteration):
