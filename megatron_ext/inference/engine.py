@@ -74,6 +74,12 @@ _ALL_EXPERTS_MAX_WORK = 16 << 20
 # also kept for experts that do not stack and for torch builds without `_grouped_mm`. A GPU keeps its own paths
 # (`_grouped_kernel`: torch's grouped GEMM as one CUDA kernel, bf16 on Hopper).
 _HOST_GROUPED_MM = True
+# The expanded path (prefill, chunks longer than absorbed attention pays for) attends in pieces of at most this
+# many bytes of scores (fp32, rows x heads x queries x keys): torch's CPU attention with a mask materialises them,
+# so a prefill of 64 admitted prompts of 1,400 tokens over 4 heads took 5 GB in one call (RL's rollouts at 16-32
+# tasks x 8 episodes a step were killed for memory). Rows first, then queries of one row; each piece is the same
+# arithmetic as the whole.
+_ATTENTION_MAX_SCORE_BYTES = 256 << 20
 
 
 @dataclass
@@ -720,9 +726,18 @@ class InferenceEngine:
         kv_up = torch.matmul(cached[..., :r], w_kv_up.t()).view(b, t, n, -1)
         k_nope, v = kv_up[..., :dn], kv_up[..., dn:]
         k = torch.cat((k_nope, cached[..., r:].unsqueeze(2).expand(-1, -1, n, -1)), dim=-1)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=step.mask, scale=scale)  # [b, n, s, dv]
+        q = torch.cat((q_nope, q_pe), dim=-1).permute(1, 2, 0, 3)  # [b, n, s, d]
+        k, v, mask = k.transpose(1, 2), v.transpose(1, 2), step.mask
+        per_row = n * s * t * 4
+        if b * per_row <= _ATTENTION_MAX_SCORE_BYTES:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [b, n, s, dv]
+        else:
+            rows = max(1, _ATTENTION_MAX_SCORE_BYTES // per_row)
+            queries = s if rows > 1 else max(1, _ATTENTION_MAX_SCORE_BYTES // (n * t * 4))
+            out = torch.cat([torch.cat([F.scaled_dot_product_attention(
+                q[i:i + rows, :, j:j + queries], k[i:i + rows], v[i:i + rows], scale=scale,
+                attn_mask=None if mask is None else mask[i:i + rows, :, j:j + queries]) for j in range(0, s, queries)],
+                dim=2) for i in range(0, b, rows)])
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _mlp(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:

@@ -80,6 +80,46 @@ def test_batched_prompts_of_different_lengths_match_one_by_one(engine):
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("budget", ["rows", "queries"])
+def test_expanded_attention_in_pieces_equals_one_call(engine, budget, monkeypatch):
+    """A prefill of many long prompts attends in pieces of bounded score memory (rows, then a row's queries) and
+    generates exactly what one attention call over the whole batch does."""
+    import torch.nn.functional as F
+
+    from megatron_ext.inference import engine as engine_module
+
+    eng, _ = engine
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (9, 4, 7)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    saved, eng.absorb_max_tokens = eng.absorb_max_tokens, 0  # every step on the expanded path
+    try:
+        whole = eng.generate(prompts, params)
+        heads, width = eng.heads, max(len(p) for p in prompts)
+        one_row = heads * width * width * 4  # the prefill's scores of one row
+        limit = 2 * one_row if budget == "rows" else one_row // 3
+        monkeypatch.setattr(engine_module, "_ATTENTION_MAX_SCORE_BYTES", limit)
+        calls, sdpa = [], F.scaled_dot_product_attention
+
+        def counted(q, k, v, **kw):
+            calls.append((q.shape[0], q.shape[2], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4))
+            return sdpa(q, k, v, **kw)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+        pieces = eng.generate(prompts, params)
+    finally:
+        eng.absorb_max_tokens = saved
+    prefill = [c for c in calls if c[1] > 1]  # the prefill's calls (decode steps attend one query a row)
+    assert prefill and all(c[3] <= limit for c in calls)
+    if budget == "rows":  # two rows, then the last one, in each layer
+        assert {(c[0], c[1]) for c in prefill} == {(2, width), (1, width)}
+    else:  # one row at a time, a third of its queries or fewer per call
+        assert {c[0] for c in prefill} == {1} and max(c[1] for c in prefill) < width
+    for a, b in zip(whole, pieces):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
 def test_logprobs_equal_teacher_forced_forward(engine):
     eng, model = engine
     prompt = torch.randint(0, 1024, (7,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -624,3 +664,27 @@ def test_decode_moe_equals_megatron_moe_layer(engine, tokens, path, monkeypatch)
     assert grouped == ([True] if on_cpu_grouped else [])  # a GPU keeps its own paths
     assert got.shape == h.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_memory_benchmark_generates_the_same_tokens_with_whole_attention():
+    """benchmarks/prefill_memory.py at a small size: both settings run, report memory, and agree on the tokens."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = []
+    for flags in ([], ["--whole-attention"]):
+        done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/prefill_memory.py", "--prompts", "3",
+                               "--tokens", "40", *flags], cwd=root, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines.append(done.stdout.strip().splitlines()[-1])
+    found = [re.search(r"attention (whole|in pieces of at most 256 MiB of scores): peak resident memory "
+                       r"([0-9.]+) GB before, ([0-9.]+) GB after; [0-9.]+ s; tokens ([0-9a-f]{12})$", line)
+             for line in lines]
+    assert all(found), lines
+    assert [m.group(1) for m in found] == ["in pieces of at most 256 MiB of scores", "whole"]
+    assert found[0].group(4) == found[1].group(4)  # the same tokens
+    assert all(float(m.group(3)) >= float(m.group(2)) > 0 for m in found)
