@@ -598,11 +598,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=4, help="K: evaluation passes per held-out task")
     p.add_argument("--eval-max-tokens", type=int, default=160, help="tokens per model turn in evaluation")
     p.add_argument("--eval-rl-split", type=int, default=0, metavar="K",
-                   help="also evaluate both checkpoints on RL's own task split (DIR/tasks/rl.jsonl), K passes a task "
-                        "(DIR/eval/{sft,rl}_rl_split): SFT against RL over the tasks RL trained on and, apart, over "
-                        "those it did not (the split's tail when --rl-iters x --prompts-per-step < --rl-tasks), "
-                        "paired per task; says whether RL learns at all and whether it carries to unseen tasks "
-                        "(0: not run)")
+                   help="also evaluate both checkpoints on RL's own task file (DIR/tasks/rl.jsonl or "
+                        "--rl-prompts), K passes a task (DIR/eval/{sft,rl}_rl_split): SFT against RL over the tasks "
+                        "RL trained on and, apart, over those it did not (the file's tail beyond --rl-iters x "
+                        "--prompts-per-step tasks), paired per task; says whether RL learns at all and whether it "
+                        "carries to unseen tasks (0: not run)")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
     p.add_argument("--rollout-workers", type=int, default=0,
                    help="the asynchronous path: RL rollouts on this many Ray workers (rl_composer.py "
@@ -765,6 +765,7 @@ def main(argv=None):
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
                       temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed,
                       **({"rl_prompts": rl_tasks} if a.rl_prompts else {})))
+
     def evaluate(phase: str, ckpt: str, ckpt_phase: str, tasks: str, passes: int, run_dir: str):
         """run_eval of a checkpoint on a task file, the benchmark's sampling, with the local agent."""
         set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), tasks])
