@@ -76,9 +76,9 @@ _ALL_EXPERTS_MAX_WORK = 16 << 20
 _HOST_GROUPED_MM = True
 # The expanded path (prefill, chunks longer than absorbed attention pays for) attends in pieces of at most this
 # many bytes of scores (fp32, rows x heads x queries x keys): torch's CPU attention with a mask materialises them,
-# so a prefill of 64 admitted prompts of 1,400 tokens over 4 heads took 5 GB in one call (RL's rollouts at 16-32
-# tasks x 8 episodes a step were killed for memory). Rows first, then queries of one row; each piece is the same
-# arithmetic as the whole.
+# so one call over 64 admitted prompts of 1,400 tokens and 4 heads took 5 GB (RL's rollouts at 32 tasks x 8
+# episodes a step were killed for memory on a 24 GiB machine). Rows first, then queries of one row; each piece is
+# the same arithmetic as the whole.
 _ATTENTION_MAX_SCORE_BYTES = 256 << 20
 
 
