@@ -55,7 +55,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.eval.stats import paired_permutation, wilson  # noqa: E402
+from megatron_ext.eval.stats import wilson  # noqa: E402
 from megatron_ext.lifetime import run_tied  # noqa: E402
 
 PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
@@ -344,7 +344,13 @@ def no_heldout_shapes(tasks_file: str, heldout_file: str):
         return {task["id"]: (task.get("metadata") or {}).get("program_shape") for task in tasks}
 
     held = {shape for shape in shapes(heldout_file).values() if shape}
-    clash = sorted(task for task, shape in shapes(tasks_file).items() if shape in held)
+    given = shapes(tasks_file)
+    unknown = sorted(task for task, shape in given.items() if not shape)
+    if unknown:
+        raise SystemExit(f"--rl-prompts {tasks_file}: {len(unknown)} task(s) name no program shape in their metadata "
+                         f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}), so they cannot be checked "
+                         "against the held-out shapes; use tasks written by tools/make_agent_tasks.py")
+    clash = sorted(task for task, shape in given.items() if shape in held)
     if clash:
         raise SystemExit(f"--rl-prompts {tasks_file}: {len(clash)} task(s) have a held-out program shape "
                          f"({', '.join(clash[:5])}{', ...' if len(clash) > 5 else ''}); generate them with "
@@ -433,27 +439,20 @@ def rl_curve(episodes: list[dict]) -> list[dict]:
     return curve
 
 
-def per_task_success(run_dir: str) -> dict[str, float]:
-    """task id -> mean correctness over its passes, from run_eval's summary."""
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    return {task: sum(t["correct"]) / len(t["correct"]) for task, t in summary["per_task"].items() if t["correct"]}
-
-
 def rl_split_effect(sft_run: str, rl_run: str, trained: set) -> dict:
-    """SFT against RL on RL's own task split, paired per task, separately over the tasks RL trained on and those it
-    did not (the split's tail beyond --rl-iters x --prompts-per-step): whether RL learns at all (its trained tasks)
-    apart from whether what it learns carries to unseen tasks of the training shapes and to held-out shapes."""
-    before, after = per_task_success(sft_run), per_task_success(rl_run)
+    """SFT against RL on RL's own task file (run_eval's `--compare` pairing, `compare_pair`), separately over the
+    tasks RL trained on and those it did not (the file's tail beyond --rl-iters x --prompts-per-step): whether RL
+    learns at all (its trained tasks) apart from whether what it learns carries to unseen tasks."""
+    from megatron_ext.eval.compare import compare_pair
+
+    runs = [json.load(open(os.path.join(d, "summary.json"))) for d in (sft_run, rl_run)]
     out = {}
     for part, keep in (("trained", lambda t: t in trained), ("untrained", lambda t: t not in trained)):
-        tasks = sorted(t for t in before if t in after and keep(t))
-        if not tasks:
-            out[part] = {"tasks": 0}
-            continue
-        diffs = [after[t] - before[t] for t in tasks]
-        p, test = paired_permutation(diffs)
-        out[part] = {"tasks": len(tasks), "sft": sum(before[t] for t in tasks) / len(tasks),
-                     "rl": sum(after[t] for t in tasks) / len(tasks), "p": p, "test": test}
+        before, after = ({**s, "per_task": {t: v for t, v in s["per_task"].items() if keep(t)}} for s in runs)
+        pair = compare_pair(before, after)
+        out[part] = {"tasks": pair["shared_tasks"]} if not pair["shared_tasks"] else {
+            "tasks": pair["shared_tasks"], "sft": pair["accuracy_a"], "rl": pair["accuracy_b"], "p": pair["p"],
+            "test": pair["test"]}
     return out
 
 

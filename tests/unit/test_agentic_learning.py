@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -173,8 +174,9 @@ def test_rl_split_effect_pairs_tasks_and_keeps_trained_apart_from_untrained(tmp_
 
     def run(name, per_task):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "summary.json").write_text(json.dumps(
-            {"per_task": {t: {"correct": c} for t, c in per_task.items()}}))
+        (tmp_path / name / "summary.json").write_text(json.dumps({"per_task": {t: {
+            "correct": c, "passes": len(c), "accuracy": sum(c) / len(c), "efficiency": {}}
+            for t, c in per_task.items()}}))  # the fields run_eval's summary gives each task
         return str(tmp_path / name)
 
     # RL solved its 20 trained tasks where SFT solved none; on the unseen ones it lost a little
@@ -199,12 +201,12 @@ def test_rl_prompts_with_a_held_out_program_shape_are_refused(tmp_path):
     rl.write_text(task(1, "upper | reverse") + "\n" + task(2, "sum") + "\n")
     bench.no_heldout_shapes(str(rl), str(heldout))  # no shape in common: accepted
     rl.write_text(rl.read_text() + task(3, "min | mod | add") + "\n")
-    try:
+    with pytest.raises(SystemExit, match=r"1 task\(s\) have a held-out program shape \(t3\)"):
         bench.no_heldout_shapes(str(rl), str(heldout))
-    except SystemExit as e:
-        assert "1 task(s) have a held-out program shape (t3)" in str(e)
-    else:
-        raise AssertionError("a held-out shape among RL's tasks was accepted")
+    # a task whose shape is unknown (metadata stripped) cannot be checked: refused too
+    rl.write_text(task(1, "upper | reverse") + "\n" + json.dumps({"id": "t4", "metadata": {}}) + "\n")
+    with pytest.raises(SystemExit, match=r"1 task\(s\) name no program shape in their metadata \(t4\)"):
+        bench.no_heldout_shapes(str(rl), str(heldout))
 
 
 def _fake_save(root, iteration):
