@@ -3,6 +3,8 @@ turn's conversations (docs/benchmarks.md, "More distinct tasks per update").
 
     python benchmarks/prefill_memory.py                      # 64 prompts x 1,400 tokens, attention in pieces
     python benchmarks/prefill_memory.py --whole-attention    # one attention call over the whole batch (before)
+    python benchmarks/prefill_memory.py --attention absorbed # the latent-space path (short chunks; models whose
+                                                             # kv-lora rank makes absorbing always pay)
 
 The model is the agentic-learning benchmark's (`--model tiny` with its latent ranks; random weights: memory and
 time do not depend on them). Prints the process's peak resident memory before and after a greedy generation of
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=2)
     p.add_argument("--whole-attention", action="store_true",
                    help="no score budget: one attention call over every row (the engine before the pieces)")
+    p.add_argument("--attention", choices=("auto", "absorbed", "expanded"), default="auto",
+                   help="the engine's attention path for every step: its own choice by chunk length (auto; this "
+                        "model's prefill is expanded), or one of the two forced")
     a = p.parse_args(argv)
     if a.prompts < 1 or a.tokens < 2 or a.new_tokens < 1:
         p.error("--prompts and --new-tokens must be positive and --tokens at least 2")
@@ -57,6 +62,8 @@ def main(argv=None) -> int:
     try:
         model = build_model(args, wrap_ddp=False)[0].eval()
         engine = InferenceEngine(model)
+        if a.attention != "auto":
+            engine.absorb_max_tokens = 1 << 30 if a.attention == "absorbed" else 0
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 1000, (a.tokens,), generator=g).tolist() for _ in range(a.prompts)]
         before, start = peak_gb(), time.perf_counter()
@@ -65,7 +72,8 @@ def main(argv=None) -> int:
         digest = hashlib.sha256(repr([o.token_ids for o in out]).encode()).hexdigest()[:12]
         budget = engine_module._ATTENTION_MAX_SCORE_BYTES >> 20
         how = "whole" if a.whole_attention else f"in pieces of at most {budget} MiB of scores"
-        print(f"{a.prompts} prompts x {a.tokens} tokens, attention {how}: peak resident memory {before:.2f} GB "
+        path = "" if a.attention == "auto" else f" ({a.attention})"
+        print(f"{a.prompts} prompts x {a.tokens} tokens, attention{path} {how}: peak resident memory {before:.2f} GB "
               f"before, {peak_gb():.2f} GB after; {seconds:.1f} s; tokens {digest}")
     finally:
         destroy()

@@ -685,7 +685,24 @@ class InferenceEngine:
 
     def _absorbed(self, q_nope, q_pe, cached, kv_up, step: _Step, scale: float):
         """Attention in latent space: scores = [q_nope W_uk | q_pe] . [latent | rope key], output = (softmax .
-        latent) W_uv; [s, b, n * dv]. `kv_up`: (W_uk, W_uv^T) from `_kv_up`."""
+        latent) W_uv; [s, b, n * dv]. `kv_up`: (W_uk, W_uv^T) from `_kv_up`. In pieces of at most
+        _ATTENTION_MAX_SCORE_BYTES of scores (rows, then a row's queries), as `_expanded`: a model whose kv-lora
+        rank makes absorbing always pay (the plain `tiny` preset) prefills here, 4.9 GB for 64 prompts of 1,400
+        tokens in one call."""
+        s, b, n, _ = q_nope.shape
+        t, hide = cached.size(1), step.hide
+        per_row = n * s * t * 4
+        if b * per_row <= _ATTENTION_MAX_SCORE_BYTES:
+            return self._absorbed_piece(q_nope, q_pe, cached, kv_up, hide, scale)
+        rows = max(1, _ATTENTION_MAX_SCORE_BYTES // per_row)
+        queries = s if rows > 1 else max(1, _ATTENTION_MAX_SCORE_BYTES // (n * t * 4))
+        return torch.cat([torch.cat([self._absorbed_piece(
+            q_nope[j:j + queries, i:i + rows], q_pe[j:j + queries, i:i + rows], cached[i:i + rows], kv_up,
+            None if hide is None else hide[i:i + rows, :, j:j + queries], scale) for j in range(0, s, queries)])
+            for i in range(0, b, rows)], dim=1)
+
+    def _absorbed_piece(self, q_nope, q_pe, cached, kv_up, hide: Optional[torch.Tensor], scale: float):
+        """`_absorbed` in one call; `hide`: the step's ~mask (or its piece), None when nothing is hidden."""
         w_uk, w_uv_t = kv_up
         s, b, n, dn = q_nope.shape
         r, t = self.config.kv_lora_rank, cached.size(1)
@@ -693,8 +710,8 @@ class InferenceEngine:
             q_latent = torch.bmm(q_nope[0].transpose(0, 1), w_uk)  # [n, b, r]
             query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1).transpose(0, 1)  # [b, n, r + dr]
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-            if step.hide is not None:  # [b, 1, 1, t] -> over the heads
-                scores.masked_fill_(step.hide.view(b, 1, t), -math.inf)
+            if hide is not None:  # [b, 1, 1, t] -> over the heads
+                scores.masked_fill_(hide.view(b, 1, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
             out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
             return out.transpose(0, 1).reshape(1, b, -1)
@@ -702,8 +719,8 @@ class InferenceEngine:
             q_latent = torch.bmm(q_nope[:, 0].transpose(0, 1), w_uk)  # [n, s, r]
             query = torch.cat((q_latent, q_pe[:, 0].transpose(0, 1)), dim=-1).view(1, n * s, -1)
             scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-            if step.hide is not None:  # [1, 1, s, t] -> over the heads
-                scores.view(n, s, t).masked_fill_(step.hide.view(1, s, t), -math.inf)
+            if hide is not None:  # [1, 1, s, t] -> over the heads
+                scores.view(n, s, t).masked_fill_(hide.view(1, s, t), -math.inf)
             out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [1, n * s, r]
             out = torch.bmm(out_latent.view(n, s, r), w_uv_t)  # [n, s, dv]
             return out.transpose(0, 1).reshape(s, 1, -1)
@@ -712,8 +729,8 @@ class InferenceEngine:
         query = torch.cat((q_latent, q_pe.permute(heads_first).reshape(n, b * s, -1)), dim=-1)
         query = query.view(n, b, s, -1).transpose(0, 1).reshape(b, n * s, -1)
         scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-        if step.hide is not None:
-            scores = scores.view(b, n, s, t).masked_fill_(step.hide, -math.inf).view(b, n * s, t)
+        if hide is not None:
+            scores = scores.view(b, n, s, t).masked_fill_(hide, -math.inf).view(b, n * s, t)
         out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n*s, r]
         out_latent = out_latent.view(b, n, s, r).transpose(0, 1).reshape(n, b * s, r)
         out = torch.bmm(out_latent, w_uv_t)  # [n, b*s, dv]

@@ -80,10 +80,11 @@ def test_batched_prompts_of_different_lengths_match_one_by_one(engine):
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
 @pytest.mark.parametrize("budget", ["rows", "queries"])
-def test_expanded_attention_in_pieces_equals_one_call(engine, budget, monkeypatch):
+def test_attention_in_pieces_equals_one_call(engine, form, budget, monkeypatch):
     """A prefill of many long prompts attends in pieces of bounded score memory (rows, then a row's queries) and
-    generates exactly what one attention call over the whole batch does."""
+    generates exactly what one attention call over the whole batch does, on both attention paths."""
     import torch.nn.functional as F
 
     from megatron_ext.inference import engine as engine_module
@@ -92,20 +93,32 @@ def test_expanded_attention_in_pieces_equals_one_call(engine, budget, monkeypatc
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (9, 4, 7)]
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    saved, eng.absorb_max_tokens = eng.absorb_max_tokens, 0  # every step on the expanded path
+    saved, eng.absorb_max_tokens = eng.absorb_max_tokens, (0 if form == "expanded" else 1 << 30)
     try:
         whole = eng.generate(prompts, params)
         heads, width = eng.heads, max(len(p) for p in prompts)
         one_row = heads * width * width * 4  # the prefill's scores of one row
         limit = 2 * one_row if budget == "rows" else one_row // 3
         monkeypatch.setattr(engine_module, "_ATTENTION_MAX_SCORE_BYTES", limit)
-        calls, sdpa = [], F.scaled_dot_product_attention
+        calls = []  # (rows, queries, keys, score bytes) of each attention call
+        if form == "expanded":
+            sdpa = F.scaled_dot_product_attention
 
-        def counted(q, k, v, **kw):
-            calls.append((q.shape[0], q.shape[2], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4))
-            return sdpa(q, k, v, **kw)
+            def counted(q, k, v, **kw):
+                rows, n, s = q.shape[:3]
+                calls.append((rows, s, k.shape[2], rows * n * s * k.shape[2] * 4))
+                return sdpa(q, k, v, **kw)
 
-        monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+            monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+        else:
+            piece = eng._absorbed_piece
+
+            def counted(q_nope, q_pe, cached, kv_up, hide, scale):
+                s, b, n, _ = q_nope.shape
+                calls.append((b, s, cached.shape[1], b * n * s * cached.shape[1] * 4))
+                return piece(q_nope, q_pe, cached, kv_up, hide, scale)
+
+            monkeypatch.setattr(eng, "_absorbed_piece", counted)
         pieces = eng.generate(prompts, params)
     finally:
         eng.absorb_max_tokens = saved
@@ -667,7 +680,8 @@ def test_decode_moe_equals_megatron_moe_layer(engine, tokens, path, monkeypatch)
 
 
 def test_prefill_memory_benchmark_generates_the_same_tokens_with_whole_attention():
-    """benchmarks/prefill_memory.py at a small size: both settings run, report memory, and agree on the tokens."""
+    """benchmarks/prefill_memory.py at a small size: whole and in pieces, on the engine's path and the absorbed one,
+    each reports memory, and all agree on the tokens."""
     import os
     import re
     import subprocess
@@ -675,16 +689,20 @@ def test_prefill_memory_benchmark_generates_the_same_tokens_with_whole_attention
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = []
-    for flags in ([], ["--whole-attention"]):
+    absorbed = ["--attention", "absorbed"]
+    settings = ([], ["--whole-attention"], absorbed, absorbed + ["--whole-attention"])
+    for flags in settings:
         done = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/prefill_memory.py", "--prompts", "3",
                                "--tokens", "40", *flags], cwd=root, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         lines.append(done.stdout.strip().splitlines()[-1])
-    found = [re.search(r"attention (whole|in pieces of at most 256 MiB of scores): peak resident memory "
-                       r"([0-9.]+) GB before, ([0-9.]+) GB after; [0-9.]+ s; tokens ([0-9a-f]{12})$", line)
+    found = [re.search(r"attention(| \(absorbed\)) (whole|in pieces of at most 256 MiB of scores): peak resident "
+                       r"memory ([0-9.]+) GB before, ([0-9.]+) GB after; [0-9.]+ s; tokens ([0-9a-f]{12})$", line)
              for line in lines]
     assert all(found), lines
-    assert [m.group(1) for m in found] == ["in pieces of at most 256 MiB of scores", "whole"]
-    assert found[0].group(4) == found[1].group(4)  # the same tokens
-    assert all(float(m.group(3)) >= float(m.group(2)) > 0 for m in found)
+    pieces, whole = "in pieces of at most 256 MiB of scores", "whole"
+    assert [m.group(1, 2) for m in found] == [("", pieces), ("", whole), (" (absorbed)", pieces),
+                                              (" (absorbed)", whole)]
+    assert len({m.group(5) for m in found}) == 1  # the same tokens on either path, in pieces or whole
+    assert all(float(m.group(4)) >= float(m.group(3)) > 0 for m in found)
