@@ -235,8 +235,14 @@ def params_gathered(model):
 # Run in the writer queue's server (the initializer of `start_writer_queue`): exit when the process that started it
 # is gone (megatron_ext.lifetime's watcher, which that server does not import), and import in the background what
 # unpickling the writer's results needs (torch's checkpoint classes: ~1.5 s, else paid by the first save's put).
+# It ignores the preemption signals (training.loop.PREEMPTION_SIGNALS): torchrun (whose workers run in their own
+# sessions) and SLURM signal a rank's whole process group, this server included, and the trainer answers by saving,
+# through this server; killed by the same signal, it failed that save (BrokenPipeError, iter_N.tmp left, the steps
+# since the last save lost). It still ends with its parent (above) or by SIGKILL.
 _SERVER_START = """
-import importlib, os, threading, time
+import importlib, os, signal, threading, time
+for _sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(_sig, signal.SIG_IGN)
 def _watch(parent={parent}):
     while os.getppid() == parent:
         time.sleep(1.0)

@@ -1,6 +1,7 @@
 """pretrain_composer.py's loop on one rank: resume, checkpoint integrity, NaN skipping, SIGTERM, schedules."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -178,6 +179,34 @@ def test_sigterm_saves_and_exits_zero(tmp_path, sig):
     saved = int(out.split("saving a checkpoint at iteration ")[1].split()[0])
     assert read_tracker(save) == saved >= 2
     checkpointing.verify_checkpoint(checkpoint_dir(save, saved))
+
+
+def test_sigterm_to_the_whole_process_group_after_a_save_still_saves(tmp_path):
+    """torchrun (its workers run in their own sessions) and SLURM signal every process of a rank's group, not the
+    rank alone: Megatron-Core's checkpoint writer keeps a helper process (the results queue's manager, made at the
+    first save) in that group, and when the signal killed it the save the signal asks for failed (BrokenPipeError,
+    `iter_N.tmp` left behind, the run's last steps lost; found when an RL run was stopped by SIGTERM to torchrun)."""
+    save = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-u", "pretrain_composer.py", *TINY, "--log-interval",
+                             "1", "--train-iters", "100000", "--save", save, "--save-interval", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(" iteration        3/"):  # after the save at iteration 2 (the helper exists)
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # a save for the signal, or (when the step it stopped at saved anyway) the exit after that save
+    found = re.search(r"SIGTERM received: (?:saving a checkpoint at|exiting at) iteration (\d+)", out)
+    assert found, out[-3000:]
+    saved = int(found.group(1))
+    assert read_tracker(save) == saved >= 3
+    checkpointing.verify_checkpoint(checkpoint_dir(save, saved))
+    assert not [n for n in os.listdir(save) if n.endswith(".tmp")]
 
 
 @pytest.mark.parametrize("style, extra", [("constant", []), ("linear", []), ("cosine", []),
