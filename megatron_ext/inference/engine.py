@@ -687,8 +687,8 @@ class InferenceEngine:
         """Attention in latent space: scores = [q_nope W_uk | q_pe] . [latent | rope key], output = (softmax .
         latent) W_uv; [s, b, n * dv]. `kv_up`: (W_uk, W_uv^T) from `_kv_up`. In pieces of at most
         _ATTENTION_MAX_SCORE_BYTES of scores (rows, then a row's queries), as `_expanded`: a model whose kv-lora
-        rank makes absorbing always pay (the plain `tiny` preset) prefills here, 4.9 GB for 64 prompts of 1,400
-        tokens in one call."""
+        rank makes absorbing always pay (the plain `tiny` preset) prefills here: one call over 64 prompts of 1,400
+        tokens peaked at 5.4 GB, in pieces 1.65 GB (`benchmarks/prefill_memory.py --attention absorbed`)."""
         s, b, n, _ = q_nope.shape
         t, hide = cached.size(1), step.hide
         per_row = n * s * t * 4
