@@ -5,7 +5,9 @@
     decode the same prompt for the same number of tokens (goal >= 2x).
     (a) also prints the weight-read floor: the time per token of only the one-row matrix products a decode step
     makes (every attention projection, the router, the shared expert, top-k routed experts, the dense MLP of the
-    first layer, the output layer), timed as bare `F.linear` calls; `--only floor` prints just that, without
+    first layer, the output layer), timed as bare calls of the engine's kernel (`platform.linear`: oneDNN for
+    big fp32 weights on an x86 CPU), next to the same products as `F.linear` (torch's BLAS) and a bare read of
+    the bytes (`sum`); decoding is reported as a fraction of the first. `--only floor` prints just that, without
     transformers' side. `--only ops` counts the torch ops our decode step issues per token on (a)'s model (the
     profiler's top-level ops): the per-step host overhead as a number that a busy machine does not change.
 (b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
@@ -215,24 +217,39 @@ def decode_weights(engine: InferenceEngine) -> list[torch.Tensor]:
     return out
 
 
-def weight_read_floor(engine: InferenceEngine, repeats: int = 30) -> tuple[float, float]:
-    """(MB read, median ms) of one decode step's matrix products alone, as one-row `F.linear` calls."""
+def weight_read_floor(engine: InferenceEngine, repeats: int = 30) -> tuple[float, dict[str, float]]:
+    """(MB read, {kind: median ms}) of one decode step's matrix products alone: "engine", as one-row products
+    through the engine's own kernel choice (`platform.linear`: oneDNN for big fp32 weights on an x86 CPU, else
+    F.linear), the floor its decode step is measured against; "F.linear", through torch's BLAS (MKL on x86,
+    what `transformers` uses); "read", one `sum` per matrix, reading the same bytes without multiplying."""
     import torch.nn.functional as F
+
+    from megatron_ext import platform
 
     weights = [w.detach() for w in decode_weights(engine)]
     rows = [torch.randn(1, w.size(1), dtype=w.dtype, device=w.device) for w in weights]
     sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)  # a GPU's products are asynchronous
-    times = []
-    with torch.inference_mode():
+    kinds = {"engine": lambda x, w: platform.linear(x, w), "F.linear": F.linear, "read": lambda x, w: w.sum()}
+    times = {kind: [] for kind in kinds}
+    # as the engine's forwards, outside the CPU bridge's device mapping (its dispatch costs ~10 us per torch call)
+    with torch.inference_mode(), platform.without_device_mapping():
         for _ in range(repeats + 3):
-            sync()
-            t = time.perf_counter()
-            for x, w in zip(rows, weights):
-                F.linear(x, w)
-            sync()
-            times.append(time.perf_counter() - t)
+            for kind, product in kinds.items():  # interleaved, so that load hits each kind alike
+                sync()
+                t = time.perf_counter()
+                for x, w in zip(rows, weights):
+                    product(x, w)
+                sync()
+                times[kind].append(time.perf_counter() - t)
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    return mb, statistics.median(times[3:]) * 1e3
+    return mb, {kind: statistics.median(ts[3:]) * 1e3 for kind, ts in times.items()}
+
+
+def floor_words(mb: float, ms: dict[str, float]) -> str:
+    return (f"weight-read floor {mb:.1f} MB: {ms['engine']:.2f} ms per token as the engine's one-row products "
+            f"({mb / ms['engine']:.1f} GB/s), {ms['F.linear']:.2f} ms as F.linear (torch's BLAS, "
+            f"{mb / ms['F.linear']:.1f} GB/s), {ms['read']:.2f} ms to read the bytes alone (sum, "
+            f"{mb / ms['read']:.1f} GB/s)")
 
 
 def random_deepseek(opts, workdir: str):
@@ -258,15 +275,54 @@ def random_deepseek(opts, workdir: str):
     return hf.to(engine.device), engine  # both on the engine's device (a GPU where there is one)
 
 
+def product_table(engine: InferenceEngine, rows=(1, 8), repeats: int = 9) -> list[str]:
+    """Per distinct weight shape of a decode step: microseconds per product of `rows` rows through F.linear
+    (torch's BLAS) and through oneDNN's inner product (what `platform.linear` picks for big fp32 weights on an x86
+    CPU). Each repeat multiplies by enough copies of the weight to total 96 MB, so that the weights come from
+    memory as a decode step's do (their 82 MB outgrow a CPU's cache) rather than from a cache that one repeated
+    weight would sit in; medians over interleaved repeats. Empty where oneDNN's op is missing."""
+    import torch.nn.functional as F
+
+    from megatron_ext import platform
+
+    if engine.device.type != "cpu" or not platform._onednn_linear_available():
+        return []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    shapes = {}
+    for w in decode_weights(engine):
+        shapes.setdefault(tuple(w.shape), w.detach().float().contiguous())
+    lines = ["| weight [out, in] | KiB | rows | F.linear us | oneDNN us | ratio | platform.linear picks |",
+             "|---|---|---|---|---|---|---|"]
+    with torch.inference_mode(), platform.without_device_mapping():
+        for shape, w in sorted(shapes.items(), key=lambda kv: kv[1].numel()):
+            copies = [w.clone() for _ in range(max(1, (96 << 20) // (w.numel() * 4)))]
+            for n in rows:
+                x = torch.randn(n, shape[1])
+                kinds = {"F.linear": lambda c: F.linear(x, c), "oneDNN": lambda c: onednn(x, c, None, "none", [], "")}
+                times = {k: [] for k in kinds}
+                for _ in range(repeats + 2):
+                    for k, product in kinds.items():
+                        t = time.perf_counter()
+                        for c in copies:
+                            product(c)
+                        times[k].append((time.perf_counter() - t) / len(copies) * 1e6)
+                blas, dnn = (statistics.median(times[k][2:]) for k in kinds)
+                pick = "oneDNN" if platform.onednn_linear(w) else "F.linear"
+                lines.append(f"| {shape[0]} x {shape[1]} | {w.numel() * 4 / 1024:.0f} | {n} | {blas:.1f} | "
+                             f"{dnn:.1f} | {blas / dnn:.2f}x | {pick} |")
+    return lines
+
+
 def floor_only(opts, workdir: str) -> str:
     _, engine = random_deepseek(opts, workdir)
     load = OtherLoad()
     mb, ms = weight_read_floor(engine)
+    table = product_table(engine)
     busy = load.fraction()
     destroy()
-    return (f"weight-read floor, hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4, "
-            f"{opts.threads} threads: {mb:.1f} MB of weights per decode step, {ms:.2f} ms per token as bare one-row "
-            f"F.linear calls ({mb / ms:.1f} GB/s); other processes used {busy:.0%} of the CPUs meanwhile")
+    return (f"hidden {opts.hidden}, {opts.layers} layers, {opts.experts} experts top-4, {opts.threads} threads: "
+            f"{floor_words(mb, ms)}; other processes used {busy:.0%} of the CPUs meanwhile"
+            + ("\n\none product per weight shape (median us per call):\n" + "\n".join(table) if table else ""))
 
 
 def op_counts(engine: InferenceEngine, prompts: list[list[int]], tokens: int) -> tuple[float, collections.Counter]:
@@ -364,8 +420,8 @@ def versus_transformers(opts, workdir: str) -> tuple[str, Figure]:
             f"{lo:.2f}-{hi:.2f}); decoding alone (minus the prompt's forward) ours {ours_decode:.1f}, transformers "
             f"{theirs_decode:.1f} tok/s -> {ours_decode / theirs_decode:.2f}x (goal >= 2); prompt forward ours "
             f"{med(ours_1) * 1e3:.0f} ms, transformers {med(theirs_1) * 1e3:.0f} ms; same tokens: {same}; "
-            f"weight-read floor {floor_mb:.1f} MB, {floor_ms:.2f} ms per token (ours decoding "
-            f"{1e3 / ours_decode:.2f} ms per token); other processes used {busy:.0%} of the CPUs meanwhile",
+            f"ours decoding {1e3 / ours_decode:.2f} ms per token, {floor_ms['engine'] * ours_decode / 1e3:.0%} of "
+            f"the {floor_words(floor_mb, floor_ms)}; other processes used {busy:.0%} of the CPUs meanwhile",
             Figure("a", median, lo, hi))
 
 

@@ -485,6 +485,46 @@ def install() -> bool:
     return True
 
 
+# Matrix products for inference on an x86 CPU. Torch's CPU BLAS is MKL, and on an AMD EPYC MKL's fp32 products
+# by weights read from memory (not cache) measured as fast as oneDNN's inner product at ~288 KiB and up to 3.4x
+# slower for bigger weights, at 1 and 8 rows (`benchmarks/decode_throughput.py --only floor`, docs/benchmarks.md):
+# MKL read a decode step's weights at ~15 GB/s, oneDNN at ~30 GB/s, a plain `sum` at 40-65 GB/s. Smaller weights
+# stay on F.linear (oneDNN's ~12-15 us per call is more than the product). The oneDNN op is the one Inductor's CPU
+# backend calls (`mkldnn::_linear_pointwise`), on plain dense weights: no packed copy, so in-place weight updates
+# show through.
+# It has no backward, so it is used only where no gradient is recorded (inference mode, no_grad). Results agree
+# with F.linear up to fp32 summation order. `CPU_LINEAR_ONEDNN = False` (or MEGATRON_EXT_CPU_LINEAR=blas) keeps
+# F.linear everywhere, e.g. to time both.
+ONEDNN_LINEAR_MIN_BYTES = 192 * 1024
+
+
+def _onednn_linear_available() -> bool:
+    import platform as _host
+
+    return (os.environ.get("MEGATRON_EXT_CPU_LINEAR", "onednn") != "blas"
+            and _host.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+CPU_LINEAR_ONEDNN = _onednn_linear_available()
+
+
+def onednn_linear(weight: torch.Tensor) -> bool:
+    """Whether `linear` sends products by `weight` to oneDNN (an x86 CPU, fp32, contiguous, at least
+    ONEDNN_LINEAR_MIN_BYTES, no gradient being recorded)."""
+    return (CPU_LINEAR_ONEDNN and weight.dtype is torch.float32 and not weight.is_cuda
+            and weight.numel() * 4 >= ONEDNN_LINEAR_MIN_BYTES and not torch.is_grad_enabled()
+            and weight.device.type == "cpu" and weight.is_contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) without bias, through oneDNN where `onednn_linear(weight)` says so (x [..., in] in
+    the weight's dtype)."""
+    if onednn_linear(weight) and x.dtype is torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return torch.nn.functional.linear(x, weight)
+
+
 @contextlib.contextmanager
 def without_device_mapping():
     """Suspend the CUDA->CPU mode around hot code that never names a CUDA device (the inference engine's

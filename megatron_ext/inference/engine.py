@@ -272,11 +272,14 @@ def _check_fused_norms(model: torch.nn.Module):
                              "inference engine cannot apply its norm")
 
 
+_linear = platform.linear  # F.linear; oneDNN for big fp32 weights on an x86 CPU
+
+
 def _swiglu(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
     """SwiGLU on this rank's columns: fc1 holds [gate | up] of this rank's slice, the result is a partial sum
     over tensor-parallel ranks (exact when the MLP is not sharded)."""
-    gate, up = F.linear(x, fc1).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, fc2)
+    gate, up = _linear(x, fc1).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, fc2)
 
 
 def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
@@ -387,13 +390,20 @@ def _moe_token(x: torch.Tensor, token_experts: list[int], token_weights: list[fl
                shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """sum_e w_e * expert_e(x) over one token's routed experts on this rank (plus `shared`'s (fc1, fc2) with
     weight 1) for one token x [hidden], in as few ops as one token allows: the gate/up products stacked for one
-    SwiGLU, the down products accumulated by addmv with the routing weight as alpha."""
+    SwiGLU, the down products accumulated by addmv with the routing weight as alpha; experts big enough for
+    oneDNN (`platform.onednn_linear`, x86 CPUs) scale the activations by the weights and sum the products."""
     picked = [(experts[e - first], w) for e, w in zip(token_experts, token_weights)
               if first <= e < first + len(experts)]
     if shared is not None:
         picked.insert(0, (shared, 1.0))
     if not picked:
         return torch.zeros_like(x)
+    if platform.onednn_linear(picked[0][0][0]):  # big experts on an x86 CPU: oneDNN's products (no alpha)
+        h = torch.stack([_linear(x, fc1) for (fc1, _), _ in picked])
+        gate, up = h.chunk(2, dim=-1)
+        scale = torch.tensor([w for _, w in picked], dtype=h.dtype).unsqueeze(-1)
+        rows = F.silu(gate).mul_(up).mul_(scale).unbind(0)
+        return torch.stack([_linear(a, fc2) for ((_, fc2), _), a in zip(picked, rows)]).sum(0)
     h = torch.stack([torch.mv(fc1, x) for (fc1, _), _ in picked]) if len(picked) > 1 else \
         torch.mv(picked[0][0][0], x).unsqueeze(0)
     gate, up = h.chunk(2, dim=-1)
@@ -648,12 +658,12 @@ class InferenceEngine:
         s, b, _ = h.shape
         n, dn, dr, r = self.heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is not None:
-            q_latent = _norm(attn.q_layernorm, F.linear(h, attn.linear_q_down_proj.weight))
-            q = F.linear(_fused_norm(attn.linear_q_up_proj, q_latent), attn.linear_q_up_proj.weight)
+            q_latent = _norm(attn.q_layernorm, _linear(h, attn.linear_q_down_proj.weight))
+            q = _linear(_fused_norm(attn.linear_q_up_proj, q_latent), attn.linear_q_up_proj.weight)
         else:
-            q = F.linear(h, attn.linear_q_proj.weight)
+            q = _linear(h, attn.linear_q_proj.weight)
         q_nope, q_rope = q.view(s, b, n, dn + dr).split((dn, dr), dim=-1)  # split, narrow: one op for two views
-        kv_latent, kv_rope = F.linear(h, attn.linear_kv_down_proj.weight).split((r, dr), dim=-1)
+        kv_latent, kv_rope = _linear(h, attn.linear_kv_down_proj.weight).split((r, dr), dim=-1)
         latent = _fused_norm(attn.linear_kv_up_proj, _norm(attn.kv_layernorm, kv_latent))  # what is cached
         rotation = self._rope_for(attn, step, cache_kv.size(1))
         pe = _rope(torch.cat((q_rope, kv_rope.unsqueeze(2)), dim=2), rotation)  # [s, b, n + 1, dr]
@@ -669,7 +679,7 @@ class InferenceEngine:
         else:
             w_kv_up = attn.linear_kv_up_proj.weight
             out = self._expanded(q_nope, pe[:, :, :n], cached, w_kv_up, step, attn.softmax_scale)
-        return F.linear(out, attn.linear_proj.weight)
+        return _linear(out, attn.linear_proj.weight)
 
     def _kv_up(self, attn: MLASelfAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [n, dn, r], W_uv^T [n, r, dv]): views of the key/value up-projection, made once per weight
@@ -780,7 +790,7 @@ class InferenceEngine:
             dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype, flat.dtype)
             if dtype == torch.float32:  # sigmoid in fp32 as the router computes it, with no casts to make
                 weight = router.weight
-                scores = torch.sigmoid(F.linear(flat if flat.dtype == dtype else flat.to(dtype),
+                scores = torch.sigmoid(_linear(flat if flat.dtype == dtype else flat.to(dtype),
                                                 weight if weight.dtype == dtype else weight.to(dtype)))
             else:  # sigmoid in fp32 whatever the logits' precision, as the router computes it
                 scores = torch.sigmoid(F.linear(flat.to(dtype), router.weight.to(dtype)).float()).to(dtype)
@@ -864,6 +874,7 @@ class InferenceEngine:
                 return per_token[0].view_as(h)
             out = per_token[0].unsqueeze(0) if len(per_token) == 1 else torch.stack(per_token)
         elif (_HOST_GROUPED_MM and flat.device.type == "cpu" and hasattr(torch, "_grouped_mm")
+              and not platform.onednn_linear(experts[0][0])  # oneDNN per expert beats torch's BLAS loop
               and (stack := self._expert_stack(mlp)) is not None
               and stack.fc1.dtype in (torch.float32, torch.bfloat16)):
             out = _moe_indexed(flat, chosen, weights, stack.fc1, stack.fc2, first, True, stack.descending)
@@ -876,8 +887,8 @@ class InferenceEngine:
             ys = []
             for e in mine:  # the routing weight scales the hidden activations (the down projection is linear)
                 fc1, fc2 = experts[e - first]
-                gate, up = F.linear(xs[e], fc1).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate).mul_(up).mul_(ws[e]), fc2))
+                gate, up = _linear(xs[e], fc1).chunk(2, dim=-1)
+                ys.append(_linear(F.silu(gate).mul_(up).mul_(ws[e]), fc2))
             out = torch.zeros_like(flat)
             if ys:  # a serial accumulation: index_add_ opens a parallel region, costly on a busy CPU
                 if len(mine) != sum(1 for count in counts if count):  # others' experts too (EP): keep mine
@@ -952,7 +963,7 @@ class InferenceEngine:
         weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                   else model.output_layer.weight)
         with platform.without_device_mapping():
-            logits = _gather_last_dim(F.linear(hidden, weight), self.groups.tp, self.groups.tp_size)
+            logits = _gather_last_dim(_linear(hidden, weight), self.groups.tp, self.groups.tp_size)
             return logits.transpose(0, 1).float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, lengths: torch.Tensor,
@@ -976,7 +987,7 @@ class InferenceEngine:
         with platform.without_device_mapping():
             step = self._step(positions, lengths, cache)
             e = _norm(mtp.enorm, self._embed(next_tokens))
-            x = F.linear(torch.cat((e, _norm(mtp.hnorm, hidden)), -1), mtp.eh_proj.weight)
+            x = _linear(torch.cat((e, _norm(mtp.hnorm, hidden)), -1), mtp.eh_proj.weight)
             x = _gather_last_dim(x, self.groups.tp, self.groups.tp_size)
             x = self._layer(mtp.transformer_layer, x, step, cache.kv[depth if cache_layer is None else cache_layer],
                             None)

@@ -155,3 +155,42 @@ def test_the_stand_in_trains_over_every_position_it_decodes(bench, monkeypatch, 
     flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert flags["--seq-length"] == "128" and flags["--global-batch-size"] == "8"
     assert flags["--micro-batch-size"] == "8" and flags["--log-interval"] == "3"
+
+
+def test_the_floor_times_the_engines_kernels_and_the_table_names_what_it_picks(bench, monkeypatch):
+    """`--only floor`: the floor is timed three ways over the same matrices (the engine's own kernel choice,
+    F.linear, reading alone), and the per-shape table (x86 with oneDNN only) has a row per shape and row count,
+    each naming the kernel `platform.linear` picks for that weight."""
+    from megatron_ext import platform
+    from megatron_ext.arguments import parse_args
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.testing import init_layout_invariant_
+    from megatron_ext.training.initialize import destroy, initialize_distributed
+    from megatron_ext.training.step import build_model
+
+    args = parse_args(["--model", "tiny", "--mock-data", "--mtp-num-layers", "0"], world_size=1)
+    initialize_distributed(args)
+    try:
+        model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
+        engine = InferenceEngine(model.eval())
+        weights = bench.decode_weights(engine)
+        mb, ms = bench.weight_read_floor(engine, repeats=2)
+        # the output layer is the biggest weight: above the threshold picks oneDNN, the rest F.linear
+        biggest = max(w.numel() for w in weights) * 4
+        monkeypatch.setattr(platform, "ONEDNN_LINEAR_MIN_BYTES", biggest)
+        table = bench.product_table(engine, rows=(1,), repeats=1)
+    finally:
+        destroy()
+    assert mb == pytest.approx(sum(w.numel() * w.element_size() for w in weights) / 1e6)
+    assert set(ms) == {"engine", "F.linear", "read"} and all(v > 0 for v in ms.values())
+    words = bench.floor_words(mb, ms)
+    assert f"{ms['engine']:.2f} ms per token as the engine's one-row products" in words
+    if not platform._onednn_linear_available():
+        assert table == []
+        return
+    shapes = {tuple(w.shape) for w in weights}
+    rows = table[2:]
+    assert len(rows) == len(shapes)
+    picks = {tuple(int(n) for n in r.split("|")[1].split(" x ")): r.split("|")[7].strip() for r in rows}
+    assert picks == {s: "oneDNN" if s[0] * s[1] * 4 >= biggest else "F.linear" for s in shapes}
+    assert list(picks.values()).count("oneDNN") >= 1

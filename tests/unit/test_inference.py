@@ -706,3 +706,60 @@ def test_prefill_memory_benchmark_generates_the_same_tokens_with_whole_attention
                                               (" (absorbed)", whole)]
     assert len({m.group(5) for m in found}) == 1  # the same tokens on either path, in pieces or whole
     assert all(float(m.group(4)) >= float(m.group(3)) > 0 for m in found)
+
+
+def _count_onednn(monkeypatch):
+    """Every product `platform.linear` sends to oneDNN, counted (by weight shape)."""
+    from megatron_ext import platform
+
+    taken, real = [], platform.onednn_linear
+
+    def counted(weight):
+        yes = real(weight)
+        if yes:
+            taken.append(tuple(weight.shape))
+        return yes
+
+    monkeypatch.setattr(platform, "onednn_linear", counted)
+    return taken
+
+
+def test_onednn_products_give_the_models_logits_and_moe(engine, monkeypatch):
+    """With every fp32 product sent to oneDNN (the threshold lowered to 0; the tiny models' weights are below
+    the real one): cached decoding equals Megatron-Core's uncached forward, and the MoE layer's one-token path
+    (shared expert folded in) and its many-token path (a loop over the experts, which takes over from torch's
+    grouped GEMM where oneDNN runs) equal Megatron-Core's MoE layer."""
+    from megatron_ext import platform
+    from megatron_ext.inference import engine as engine_module
+
+    eng, model = engine
+    if not platform.CPU_LINEAR_ONEDNN or _dev(model).type != "cpu":
+        pytest.skip("oneDNN products are for x86 CPUs")
+    monkeypatch.setattr(platform, "ONEDNN_LINEAR_MIN_BYTES", 0)
+    taken = _count_onednn(monkeypatch)
+    ids = torch.randint(0, 1024, (14,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = LatentCache(len(eng.layers), 1, 32, eng.config.kv_lora_rank, eng.config.qk_pos_emb_head_dim,
+                        torch.float32, _dev(model))
+    prefix = 9
+    parts = [eng.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix)[None], cache, torch.tensor([0]))[0]]
+    for t in range(prefix, len(ids)):
+        parts.append(eng.forward(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, torch.tensor([t]))[0])
+    torch.testing.assert_close(torch.cat(parts), _full_logits(model, ids), rtol=1e-5, atol=1e-5)
+    vocab = model.output_layer.weight.shape
+    assert tuple(vocab) in taken and len(set(taken)) >= 4, set(taken)  # projections, experts, output layer
+
+    layer = next(layer for layer in eng.layers if getattr(layer.mlp, "router", None) is not None)
+    mlp = layer.mlp
+    expert_fc1 = tuple(eng._experts[id(mlp)][0][0].shape)
+    monkeypatch.setattr(engine_module, "_ALL_EXPERTS_MAX_WORK", 0)
+    grouped, real_indexed = [], engine_module._moe_indexed
+    monkeypatch.setattr(engine_module, "_moe_indexed", lambda *a: grouped.append(a[6]) or real_indexed(*a))
+    for tokens in (1, 8):
+        h = torch.randn(tokens, 1, eng.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        taken.clear()
+        with torch.no_grad():
+            expected = mlp(h)[0]
+            got = eng._moe(mlp, h, None)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert expert_fc1 in taken
+    assert grouped == []  # the loop over the experts, not torch's grouped GEMM

@@ -287,3 +287,40 @@ def test_gloo_worker_threads_start_no_openmp_team_of_their_own():
     before, ours, made, theirs = _thread_counts(code)
     assert ours == before
     assert theirs > made  # torch's own group: a worker's OpenMP team
+
+
+def test_linear_sends_only_big_fp32_products_without_gradients_to_onednn():
+    """`platform.linear` is F.linear up to fp32 summation order. oneDNN takes a product only for an fp32,
+    contiguous weight of at least ONEDNN_LINEAR_MIN_BYTES while no gradient is recorded (the op has no
+    backward); everything else, training included, stays on F.linear. MEGATRON_EXT_CPU_LINEAR=blas turns it
+    off for a process."""
+    import platform as host
+
+    import torch.nn.functional as F
+
+    if host.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        assert not platform.CPU_LINEAR_ONEDNN
+        return
+    assert platform.CPU_LINEAR_ONEDNN
+    g = torch.Generator().manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(512, 256, generator=g))  # 512 KiB
+    small = torch.randn(32, 256, generator=g)
+    x = torch.randn(3, 2, 256, generator=g)
+    with torch.inference_mode():
+        assert platform.onednn_linear(big) and not platform.onednn_linear(small)
+        assert not platform.onednn_linear(big.detach().bfloat16()) and not platform.onednn_linear(big.detach().t())
+        torch.testing.assert_close(platform.linear(x, big), F.linear(x, big), rtol=1e-5, atol=1e-4)  # |y| ~ 16
+        torch.testing.assert_close(platform.linear(x[0, 0], big), F.linear(x[0, 0], big), rtol=1e-5, atol=1e-4)
+        with torch.profiler.profile() as prof:
+            platform.linear(x, big)
+            platform.linear(x, small)
+        ops = [e.name for e in prof.events()]
+        assert ops.count("mkldnn::_linear_pointwise") == 1 and "aten::linear" in ops
+    assert not platform.onednn_linear(big)  # gradients recorded: F.linear, which has a backward
+    y = platform.linear(x, big)
+    y.sum().backward()
+    torch.testing.assert_close(big.grad, x.reshape(-1, 256).sum(0).expand(512, -1))
+    code = "from megatron_ext import platform; print(platform.CPU_LINEAR_ONEDNN)"
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MEGATRON_EXT_CPU_LINEAR": "blas"})
+    assert off.stdout.strip() == "False", off.stderr[-2000:]
