@@ -337,8 +337,12 @@ def task_groups(tasks_file: str) -> dict:
 
 
 def no_heldout_shapes(tasks_file: str, heldout_file: str):
-    """Refuses RL tasks (--rl-prompts) whose program shape is one of the held-out tasks': RL on them would make the
-    held-out evaluation a test of memory, not generalisation."""
+    """Refuses RL tasks (--rl-prompts) whose program shape is one of the held-out tasks', or is held out by the
+    generator's split rule (`agent_tasks.is_heldout` at the default fraction, which the benchmark generates with):
+    RL on them would make a held-out evaluation, of this seed's tasks or of another seed's, a test of memory, not
+    generalisation."""
+    from megatron_ext.env.agent_tasks import is_heldout
+
     def shapes(path: str) -> dict:
         tasks = [json.loads(line) for line in open(path) if line.strip()]
         return {task["id"]: (task.get("metadata") or {}).get("program_shape") for task in tasks}
@@ -350,7 +354,7 @@ def no_heldout_shapes(tasks_file: str, heldout_file: str):
         raise SystemExit(f"--rl-prompts {tasks_file}: {len(unknown)} task(s) name no program shape in their metadata "
                          f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}), so they cannot be checked "
                          "against the held-out shapes; use tasks written by tools/make_agent_tasks.py")
-    clash = sorted(task for task, shape in given.items() if shape in held)
+    clash = sorted(task for task, shape in given.items() if shape in held or is_heldout(shape))
     if clash:
         raise SystemExit(f"--rl-prompts {tasks_file}: {len(clash)} task(s) have a held-out program shape "
                          f"({', '.join(clash[:5])}{', ...' if len(clash) > 5 else ''}); generate them with "

@@ -25,8 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.atomic import atomic_output  # noqa: E402
-from megatron_ext.env.agent_tasks import (KINDS, AgentTaskError, corpus_document, generate,  # noqa: E402
-                                          generate_corpus, write_family)
+from megatron_ext.env.agent_tasks import (HELDOUT_FRACTION, KINDS, AgentTaskError, corpus_document,  # noqa: E402
+                                          generate, generate_corpus, write_family)
 
 
 def main(argv=None) -> int:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                    help="task kinds, taken in turn within each split")
     p.add_argument("--max-depth", type=int, default=3, help="most primitives a program composes")
-    p.add_argument("--heldout-fraction", type=float, default=0.25,
+    p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
                    help="share of composition shapes held out (by hash; the same for every seed)")
     p.add_argument("--corpus", default=None, help="also write a code-pretraining corpus here (.jsonl)")
     p.add_argument("--corpus-tasks", type=int, default=0, help="training-split tasks in --corpus")

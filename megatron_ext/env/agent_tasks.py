@@ -154,7 +154,10 @@ def shape_hash(shape: str) -> str:
     return hashlib.sha256(f"{SPLIT_SALT}:{shape}".encode()).hexdigest()[:16]
 
 
-def is_heldout(shape: str, fraction: float) -> bool:
+HELDOUT_FRACTION = 0.25  # share of composition shapes held out by default (tools/make_agent_tasks.py's default)
+
+
+def is_heldout(shape: str, fraction: float = HELDOUT_FRACTION) -> bool:
     """The split rule: a composition (2+ primitives) whose shape hash falls under `fraction`."""
     return " | " in shape and int(shape_hash(shape), 16) % 10000 < round(fraction * 10000)
 
@@ -435,7 +438,7 @@ def build_task(rng: random.Random, task_id: str, kind: str, split: str, program:
 
 # ---- a family ------------------------------------------------------------------------------------------------
 def generate(seed: int, train: int, heldout: int, kinds=KINDS, max_depth: int = 3,
-             heldout_fraction: float = 0.25) -> dict[str, list[AgentTask]]:
+             heldout_fraction: float = HELDOUT_FRACTION) -> dict[str, list[AgentTask]]:
     """{"train": [...], "heldout": [...]}: kinds round-robin in each split; train first (its own random stream,
     so asking for more held-out tasks leaves the training tasks as they were), then held-out programs whose
     primitives all appear in training."""
@@ -535,7 +538,7 @@ def substitute_names(text: str, mapping: dict[str, str]) -> str:
 
 
 def generate_corpus(seed: int, count: int, kinds=KINDS, max_depth: int = 3,
-                    heldout_fraction: float = 0.25) -> list[AgentTask]:
+                    heldout_fraction: float = HELDOUT_FRACTION) -> list[AgentTask]:
     """`count` training-split tasks from their own random stream (disjoint in sampling from the family's tasks of
     the same seed): documents for code pretraining. Held-out shapes never appear (the same split rule)."""
     rng = random.Random(f"{GENERATOR}:{seed}:corpus")

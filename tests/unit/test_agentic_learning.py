@@ -194,17 +194,27 @@ def test_rl_split_effect_pairs_tasks_and_keeps_trained_apart_from_untrained(tmp_
 
 
 def test_rl_prompts_with_a_held_out_program_shape_are_refused(tmp_path):
+    from megatron_ext.env.agent_tasks import is_heldout
+
     bench = _benchmark()
     task = lambda i, shape: json.dumps({"id": f"t{i}", "metadata": {"program_shape": shape}})  # noqa: E731
+    shapes = [f"{a} | {b}" for a in ("upper", "lower", "strip", "sum", "min", "head") for b in ("reverse", "sort",
+                                                                                                  "add", "max")]
+    kept = [shape for shape in shapes if not is_heldout(shape)]
+    by_rule = next(shape for shape in shapes if is_heldout(shape))
     heldout, rl = tmp_path / "heldout.jsonl", tmp_path / "rl.jsonl"
-    heldout.write_text(task(0, "min | mod | add") + "\n")
-    rl.write_text(task(1, "upper | reverse") + "\n" + task(2, "sum") + "\n")
-    bench.no_heldout_shapes(str(rl), str(heldout))  # no shape in common: accepted
-    rl.write_text(rl.read_text() + task(3, "min | mod | add") + "\n")
+    heldout.write_text(task(0, kept[0]) + "\n")  # a held-out file may hold any shape: its shapes are refused
+    rl.write_text(task(1, kept[1]) + "\n" + task(2, "sum") + "\n")
+    bench.no_heldout_shapes(str(rl), str(heldout))  # no shape in common, none held out by the rule: accepted
+    rl.write_text(rl.read_text() + task(3, kept[0]) + "\n")
     with pytest.raises(SystemExit, match=r"1 task\(s\) have a held-out program shape \(t3\)"):
         bench.no_heldout_shapes(str(rl), str(heldout))
+    # a shape the split rule holds out, though this seed's held-out file has no task of it (another seed's may)
+    rl.write_text(task(1, kept[1]) + "\n" + task(5, by_rule) + "\n")
+    with pytest.raises(SystemExit, match=r"1 task\(s\) have a held-out program shape \(t5\)"):
+        bench.no_heldout_shapes(str(rl), str(heldout))
     # a task whose shape is unknown (metadata stripped) cannot be checked: refused too
-    rl.write_text(task(1, "upper | reverse") + "\n" + json.dumps({"id": "t4", "metadata": {}}) + "\n")
+    rl.write_text(task(1, kept[1]) + "\n" + json.dumps({"id": "t4", "metadata": {}}) + "\n")
     with pytest.raises(SystemExit, match=r"1 task\(s\) name no program shape in their metadata \(t4\)"):
         bench.no_heldout_shapes(str(rl), str(heldout))
 
