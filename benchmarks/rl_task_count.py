@@ -7,8 +7,9 @@
         --eval "seed 7" 0=/work/runs/rl960/eval/s7_sft 960=/work/runs/rl960/eval/s7_rl960
 
 Each point is a checkpoint's success on the set (the mean over tasks of each task's share of passes solved),
-with a 95% percentile-bootstrap interval over tasks; each point's p-value is the paired sign-flip permutation
-test over the tasks both it and the series' first point (the number of tasks 0: the SFT checkpoint) evaluated.
+with a 95% percentile-bootstrap interval over tasks, and pass@K (the share of tasks solved in any of its
+passes); each point's p-value is the paired sign-flip permutation test over the tasks both it and the series'
+first point (the number of tasks 0: the SFT checkpoint) evaluated.
 "All sets" pools the tasks of every series at the task counts all series have (per-task means, so sets with
 different pass counts weigh each task alike). Reads each directory's summary.json ("per_task": {task:
 {"correct": [...]}}), the file run_eval.py writes.
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.eval.stats import bootstrap_mean, paired_permutation  # noqa: E402
 
 
-def per_task(directory: str) -> dict[str, float]:
+def per_task(directory: str) -> dict[str, tuple[float, bool]]:
+    """{task: (share of passes solved, solved in any pass)} from a run_eval.py output directory."""
     path = os.path.join(directory, "summary.json")
     try:
         per = json.load(open(path))["per_task"]
@@ -37,7 +39,7 @@ def per_task(directory: str) -> dict[str, float]:
         correct = entry.get("correct") or []
         if not correct:
             raise SystemExit(f"{path}: task {task} has no passes")
-        out[task] = sum(bool(c) for c in correct) / len(correct)
+        out[task] = (sum(bool(c) for c in correct) / len(correct), any(correct))
     return out
 
 
@@ -58,12 +60,13 @@ def parse_series(items: list[list[str]]) -> list[tuple[str, list[tuple[int, str]
     return series
 
 
-def point(base: dict[str, float], run: dict[str, float]) -> dict:
+def point(base: dict, run: dict) -> dict:
     shared = [t for t in run if t in base]
-    values = [run[t] for t in shared]
+    values = [run[t][0] for t in shared]
     low, high = bootstrap_mean(values)
-    p = paired_permutation([run[t] - base[t] for t in shared])[0] if run is not base else None
-    return {"tasks": len(shared), "mean": sum(values) / len(values), "low": low, "high": high, "p": p}
+    p = paired_permutation([run[t][0] - base[t][0] for t in shared])[0] if run is not base else None
+    return {"tasks": len(shared), "mean": sum(values) / len(values), "low": low, "high": high, "p": p,
+            "pass_at_k": sum(run[t][1] for t in shared) / len(shared)}
 
 
 def main(argv=None) -> int:
@@ -80,8 +83,8 @@ def main(argv=None) -> int:
                        for t, v in runs.items()}) for n in counts]
         loaded.append(("all sets", pooled))
     figure = []
-    print("| held-out set | RL tasks | tasks | success | 95% CI | p against 0 |")
-    print("|---|---|---|---|---|---|")
+    print("| held-out set | RL tasks | tasks | success | 95% CI | p against 0 | pass@K (K: the set's passes) |")
+    print("|---|---|---|---|---|---|---|")
     for label, pts in loaded:
         base = pts[0][1]
         line = []
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
             r = point(base, runs)
             line.append((n, r))
             p = "-" if r["p"] is None else f"{r['p']:.3g}"
-            print(f"| {label} | {n} | {r['tasks']} | {r['mean']:.3f} | [{r['low']:.3f}, {r['high']:.3f}] | {p} |")
+            print(f"| {label} | {n} | {r['tasks']} | {r['mean']:.3f} | [{r['low']:.3f}, {r['high']:.3f}] | {p} | "
+                  f"{r['pass_at_k']:.3f} |")
         figure.append((label, line))
     if a.out:
         import matplotlib

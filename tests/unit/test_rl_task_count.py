@@ -25,7 +25,8 @@ def test_points_pool_the_sets_at_shared_task_counts_and_test_against_the_start(t
     assert bench.main(["--out", str(out), "--eval", "A", f"0={a0}", f"320={a1}", f"640={a2}",
                        "--eval", "B", f"0={b0}", f"640={b2}"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-    got = {(r[0][2:], int(r[1])): (int(r[2]), float(r[3]), r[5].rstrip(" |")) for r in rows}
+    got = {(r[0][2:], int(r[1])): (int(r[2]), float(r[3]), r[5]) for r in rows}
+    passk = {(r[0][2:], int(r[1])): float(r[6].rstrip(" |")) for r in rows}
     assert got[("A", 0)][:2] == (12, 0.0) and got[("A", 0)][2] == "-"
     assert got[("A", 320)][1] == 0.5 and float(got[("A", 320)][2]) < 0.01  # 12 tasks all up by 0.5: exact p
     assert got[("B", 640)][1] == 0.5 and float(got[("B", 640)][2]) == 1.0  # one task up: both signs reach it
@@ -33,6 +34,8 @@ def test_points_pool_the_sets_at_shared_task_counts_and_test_against_the_start(t
     assert ("all sets", 320) not in got
     assert got[("all sets", 0)][:2] == (14, pytest.approx((0.5 + 0) / 14, abs=1e-3))
     assert got[("all sets", 640)][:2] == (14, pytest.approx(13 / 14, abs=1e-3))
+    assert passk[("A", 0)] == 0 and passk[("A", 320)] == 1 and passk[("B", 0)] == 0.5
+    assert passk[("all sets", 640)] == pytest.approx(13 / 14, abs=1e-3)
     assert out.stat().st_size > 1000
 
 
