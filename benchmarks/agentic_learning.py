@@ -24,11 +24,13 @@ again; DIR is --out):
                 --sft-recovery adds each SFT task's oracle played with a wrong first edit and its fix
                 (tools/build_agent_sft.py --recovery, DIR/sft_recovery.jsonl): what to do after a failing test run
   6. rl         rl_composer.py --rl-env coding on 2 ranks from the SFT checkpoint: every RL task once, G episodes
-                per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs); rollouts sampled at
-                --rl-temperature (default: --temperature)
+                per task, rewards from the environment's parts (DIR/ckpt/rl, DIR/rl_logs, a save every 5 steps);
+                rollouts sampled at --rl-temperature (default: --temperature); --rl-prompts (repeatable) takes
+                RL's tasks from other generated files instead (several: merged in order, DIR/rl_prompts.jsonl)
   7. eval       tools/run_eval.py on the held-out tasks for both checkpoints (local: agent, K passes at
                 --temperature, 1 by default, as RL samples; DIR/eval/sft, DIR/eval/rl), then --compare
-                (DIR/eval/compare)
+                (DIR/eval/compare); --eval-heldout adds other seeds' held-out sets (DIR/eval/{sft,rl}_heldout_N),
+                reported per set and pooled
   8. turns      benchmarks/agent_turns.py for both checkpoints on the held-out tasks' oracle conversations
                 (DIR/heldout_oracle.jsonl): per tool, the turns the model would write verbatim under teacher forcing
                 (which step fails: the path it must copy, the code, the call's format)
@@ -192,6 +194,68 @@ def split_train(tasks_dir: str, n_sft: int, n_rl: int):
     for name, part in (("sft", lines[:n_sft]), ("rl", lines[n_sft:n_sft + n_rl])):
         with open(os.path.join(tasks_dir, f"{name}.jsonl"), "w") as f:
             f.writelines(part)
+
+
+def merge_rl_prompts(paths: list, out_path: str) -> str:
+    """Several --rl-prompts files as one task file, in the order given (RL takes tasks in file order): each id
+    prefixed with its file's position (f1-, f2-, ...: generator seeds reuse ids) and the repository and hidden-test
+    paths made absolute (each file's relative paths resolve against its own folder). Rewritten only when its
+    content changes, so that a re-run with the same files leaves its date, which dates the RL checkpoint's input,
+    alone."""
+    from megatron_ext.env.tasks import TaskError, load_tasks
+
+    lines = []
+    for i, path in enumerate(paths, 1):
+        try:
+            tasks = load_tasks(path)
+        except TaskError as e:
+            raise SystemExit(f"--rl-prompts: {e}") from None
+        for task in tasks:
+            lines.append(json.dumps({**task.to_json(), "id": f"f{i}-{task.id}"}) + "\n")
+    text = "".join(lines)
+    if os.path.exists(out_path) and open(out_path).read() == text:
+        return out_path
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def only_heldout_shapes(tasks_file: str):
+    """Refuses an --eval-heldout set holding a task whose program shape is not held out by the generator's split
+    rule: SFT or RL may have trained on that shape, so success on it would not measure generalisation."""
+    from megatron_ext.env.agent_tasks import is_heldout
+
+    tasks = [json.loads(line) for line in open(tasks_file) if line.strip()]
+    if not tasks:
+        raise SystemExit(f"--eval-heldout {tasks_file}: holds no tasks")
+    bad = [t["id"] for t in tasks if not (t.get("metadata") or {}).get("program_shape")
+           or not is_heldout(t["metadata"]["program_shape"])]
+    if bad:
+        raise SystemExit(f"--eval-heldout {tasks_file}: {len(bad)} task(s) have no held-out program shape "
+                         f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); give a heldout.jsonl that "
+                         "tools/make_agent_tasks.py wrote (any --seed)")
+
+
+def heldout_sets_effect(sets: list) -> list:
+    """SFT against RL per held-out set and pooled over all of them: `sets` is [(label, sft run dir, rl run dir)];
+    per set the mean over tasks of each task's share of passes solved, a 95% bootstrap interval over tasks, pass@K
+    and the paired sign-flip p over tasks (benchmarks/rl_task_count.py's statistics); "all sets" pools the tasks
+    (per-task means, so sets of different pass counts weigh each task alike)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from rl_task_count import per_task, point
+
+    rows, pooled = [], ({}, {})
+    for label, sft_dir, rl_dir in sets:
+        sft, rl = per_task(sft_dir), per_task(rl_dir)
+        rows.append({"set": label, "sft": point(sft, sft), "rl": point(sft, rl)})
+        for side, runs in zip(pooled, (sft, rl)):
+            side.update({f"{label}/{task}": v for task, v in runs.items()})
+    if len(sets) > 1:
+        rows.append({"set": "all sets", "sft": point(pooled[0], pooled[0]), "rl": point(pooled[0], pooled[1])})
+    return rows
 
 
 def mixed_corpus(code_corpus: str, extra: str | None, prefix: str) -> str:
@@ -466,9 +530,11 @@ BEHAVIOUR = (("valid_tool_call_rate", "valid tool calls"), ("read_file_ok_rate",
              ("edit_file_ok_rate", "edit_file matched"), ("tests_before_finish_rate", "tests before finish"))
 
 
-def plot(path: str, metrics: dict, curve: list, passes: int, title: str, split: dict | None = None):
-    """Held-out success per checkpoint (and, with --eval-rl-split, success on RL's own tasks, trained on and not),
-    how the agent used its tools, and the reward's parts per RL step."""
+def plot(path: str, metrics: dict, curve: list, passes: int, title: str, split: dict | None = None,
+         pooled: dict | None = None):
+    """Held-out success per checkpoint (and, with --eval-rl-split, success on RL's own tasks, trained on and not;
+    with --eval-heldout, success over every held-out set pooled), how the agent used its tools, and the reward's
+    parts per RL step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -487,6 +553,11 @@ def plot(path: str, metrics: dict, curve: list, passes: int, title: str, split: 
         if c.get("tasks") and names == ["sft", "rl"]:
             left.plot([0, 1], [c["sft"], c["rl"]], marker=marker, linestyle=":",
                       label=f"RL's {'own' if part == 'trained' else 'unseen'} tasks ({c['tasks']}), p = {c['p']:.2g}")
+    if pooled and names == ["sft", "rl"]:
+        ys = [pooled["sft"]["mean"], pooled["rl"]["mean"]]
+        err = [[y - pooled[n]["low"] for y, n in zip(ys, names)], [pooled[n]["high"] - y for y, n in zip(ys, names)]]
+        left.errorbar([0, 1], ys, yerr=err, fmt="D-", capsize=4, color="tab:green",
+                      label=f"{pooled['set']} ({pooled['rl']['tasks']} tasks, bootstrap), p = {pooled['rl']['p']:.2g}")
     left.set_xticks(range(len(names)), names)
     left.set_xlim(-0.6, len(names) - 0.4)
     left.set_ylim(0, 1)
@@ -575,11 +646,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft-iters", type=int, default=200)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=8)
-    p.add_argument("--rl-prompts", default=None, metavar="JSONL",
+    p.add_argument("--rl-prompts", action="append", default=None, metavar="JSONL",
                    help="RL's tasks from this task file instead of the benchmark's own split (DIR/tasks/rl.jsonl), "
                         "e.g. tools/make_agent_tasks.py run with another seed, filtered: as many distinct tasks as "
                         "RL needs without regenerating (and re-running SFT on) the benchmark's tasks; refused if a "
-                        "task has a held-out program shape; --rl-tasks still sizes the benchmark's own split")
+                        "task has a held-out program shape; --rl-tasks still sizes the benchmark's own split. "
+                        "Repeat it for several files (other seeds): RL takes their tasks in the order given, merged "
+                        "into DIR/rl_prompts.jsonl with ids prefixed f1-, f2-, ... by file")
     p.add_argument("--rl-iters", type=int, default=None, help="RL steps (default: every RL task once)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -606,6 +679,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "RL trained on and, apart, over those it did not (the file's tail beyond --rl-iters x "
                         "--prompts-per-step tasks), paired per task; says whether RL learns at all and whether it "
                         "carries to unseen tasks (0: not run)")
+    p.add_argument("--eval-heldout", action="append", default=[], metavar="JSONL",
+                   help="another held-out task set (a heldout.jsonl of tools/make_agent_tasks.py with another --seed; "
+                        "repeatable): both checkpoints are evaluated on it too, --eval-heldout-passes passes a task "
+                        "(DIR/eval/{sft,rl}_heldout_N), and the report pools it with the benchmark's own held-out "
+                        "tasks (paired per task): a larger test than one seed's --heldout tasks; refused if a task's "
+                        "program shape is not held out")
+    p.add_argument("--eval-heldout-passes", type=int, default=2, metavar="K",
+                   help="passes per task of the --eval-heldout sets")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of SFT and RL (torchrun)")
     p.add_argument("--rollout-workers", type=int, default=0,
                    help="the asynchronous path: RL rollouts on this many Ray workers (rl_composer.py "
@@ -624,6 +705,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{flag} must be positive (got {value:g}): RL and the evaluation sample")
     if a.eval_rl_split < 0:
         p.error(f"--eval-rl-split is a number of passes (got {a.eval_rl_split})")
+    if a.eval_heldout_passes < 1:
+        p.error(f"--eval-heldout-passes must be at least 1 (got {a.eval_heldout_passes})")
+    for flag, paths in (("--rl-prompts", a.rl_prompts or []), ("--eval-heldout", a.eval_heldout)):
+        for path in paths:
+            if not os.path.isfile(path):
+                p.error(f"{flag} {path}: no such file")
     if a.plot is None:
         a.plot = os.path.join(a.out, "agentic_learning.png") if a.smoke else os.path.join(ROOT, "docs",
                                                                                           "agentic_learning.png")
@@ -634,9 +721,16 @@ def main(argv=None):
     a = parse_args(argv)
     out = os.path.abspath(a.out)
     tasks_dir, tokenizer = os.path.join(out, "tasks"), os.path.join(out, "tokenizer")
-    rl_tasks = os.path.abspath(a.rl_prompts) if a.rl_prompts else os.path.join(tasks_dir, "rl.jsonl")
-    if a.rl_prompts and not os.path.isfile(rl_tasks):
-        raise SystemExit(f"--rl-prompts {a.rl_prompts}: no such file")
+    if not a.rl_prompts:
+        rl_tasks = os.path.join(tasks_dir, "rl.jsonl")
+    elif len(a.rl_prompts) == 1:
+        rl_tasks = os.path.abspath(a.rl_prompts[0])
+    else:
+        rl_tasks = merge_rl_prompts([os.path.abspath(path) for path in a.rl_prompts],
+                                    os.path.join(out, "rl_prompts.jsonl"))
+    extra_heldout = [os.path.abspath(path) for path in a.eval_heldout]
+    for path in extra_heldout:
+        only_heldout_shapes(path)
     if a.rl_iters is None:
         a.rl_iters = (len(task_groups(rl_tasks)) if a.rl_prompts else a.rl_tasks) // a.prompts_per_step
     sft_data = os.path.join(out, "sft.jsonl")
@@ -757,7 +851,8 @@ def main(argv=None):
                     "--tokenizer-model", tokenizer, *resume_or(rl_ckpt, ["--load", sft_ckpt, "--finetune"]),
                     "--use-checkpoint-args",
                     *PROMPT_OPTIONS, "--seq-length", a.seq_length, "--save", rl_ckpt, "--rl-log-dir", rl_logs,
-                    "--train-iters", a.rl_iters, "--lr", a.rl_lr, "--lr-decay-style", "constant",
+                    "--train-iters", a.rl_iters, "--save-interval", max(1, min(5, a.rl_iters)),
+                    "--lr", a.rl_lr, "--lr-decay-style", "constant",
                     "--grpo-group-size", a.group_size, "--grpo-prompts-per-step", a.prompts_per_step,
                     "--grpo-max-response-length", a.max_response_length, "--grpo-kl-beta", a.kl_beta,
                     "--rl-max-turns", a.max_turns, "--rl-temperature", rl_temperature, "--log-interval", 1,
@@ -767,9 +862,10 @@ def main(argv=None):
                       group_size=a.group_size, prompts_per_step=a.prompts_per_step, seq_length=a.seq_length,
                       max_response_length=a.max_response_length, max_turns=a.max_turns, prompt=PROMPT_OPTIONS,
                       temperature=rl_temperature, reward_weights=sorted(a.env_reward_weight), **seed,
-                      **({"rl_prompts": rl_tasks} if a.rl_prompts else {})))
+                      **({"rl_prompts": rl_tasks if len(a.rl_prompts) == 1 else
+                          [os.path.abspath(path) for path in a.rl_prompts]} if a.rl_prompts else {})))
 
-    def evaluate(phase: str, ckpt: str, ckpt_phase: str, tasks: str, passes: int, run_dir: str):
+    def evaluate(phase: str, ckpt: str, ckpt_phase: str, tasks: str, passes: int, run_dir: str, **settings):
         """run_eval of a checkpoint on a task file, the benchmark's sampling, with the local agent."""
         set_aside_if_stale([run_dir], os.path.join(run_dir, "run.json"), [saved_marker(ckpt), tasks])
         phases(phase, lambda: os.path.exists(os.path.join(run_dir, "summary.json")), lambda: run(
@@ -778,7 +874,7 @@ def main(argv=None):
                   "--temperature", a.temperature, "--max-tokens", a.eval_max_tokens, "--max-turns", a.max_turns,
                   "--concurrency", 2, "--out", run_dir], log(phase)),
             settings=dict(passes=passes, max_tokens=a.eval_max_tokens, max_turns=a.max_turns,
-                          temperature=a.temperature),
+                          temperature=a.temperature, **settings),
             after=["tasks", "tokenizer", ckpt_phase], outputs=[run_dir])
 
     heldout = os.path.join(tasks_dir, "heldout.jsonl")
@@ -808,6 +904,16 @@ def main(argv=None):
         evaluate(f"eval_{name}_rl_split", ckpt, name, rl_tasks, a.eval_rl_split,
                  os.path.join(eval_dir, f"{name}_rl_split"))
 
+    for i, path in enumerate(extra_heldout, 1):
+        for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
+            evaluate(f"eval_{name}_heldout_{i}", ckpt, name, path, a.eval_heldout_passes,
+                     os.path.join(eval_dir, f"{name}_heldout_{i}"), tasks=path)
+    runs = lambda suffix: (os.path.join(eval_dir, "sft" + suffix), os.path.join(eval_dir, "rl" + suffix))  # noqa: E731
+    heldout_sets = heldout_sets_effect(
+        [(f"--seed {a.seed}'s held-out tasks", *runs(""))]
+        + [(f"--eval-heldout {path}", *runs(f"_heldout_{i}")) for i, path in enumerate(extra_heldout, 1)]
+    ) if extra_heldout else None
+
     oracle_dir = os.path.join(tasks_dir, "oracle")
     own_paths = oracle_read_paths(heldout, oracle_dir)
     sft_paths = set(oracle_read_paths(os.path.join(tasks_dir, "sft.jsonl"), oracle_dir).values())
@@ -825,11 +931,13 @@ def main(argv=None):
     split = rl_split_effect(os.path.join(eval_dir, "sft_rl_split"), os.path.join(eval_dir, "rl_rl_split"),
                             {r["prompt_id"] for r in episodes}) if a.eval_rl_split else None
     summary = {"settings": {k: v for k, v in vars(a).items() if k != "plot"}, "heldout": metrics,
-               "compare": compared, "rl_curve": curve, "rl_solved_by": rl_solved, "rl_split": split,
+               "compare": compared, "heldout_sets": heldout_sets, "rl_curve": curve, "rl_solved_by": rl_solved,
+               "rl_split": split,
                "wall_s": phases.seconds}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(markdown(metrics, compared, curve, phases.seconds, a.passes, rl_solved, split, a.eval_rl_split))
+    print(markdown(metrics, compared, curve, phases.seconds, a.passes, rl_solved, split, a.eval_rl_split,
+                   heldout_sets))
     if a.plot:
         plot(a.plot, metrics, curve, a.passes,
              f"tiny K2.5 ({a.model_flags}): code pretraining {a.pretrain_iters} steps, "
@@ -838,7 +946,8 @@ def main(argv=None):
              + (f" + {a.sft_copy_drills} copy drills" if a.sft_copy_drills else "")
              + f" ({a.sft_iters} steps), GRPO on {a.rl_iters * a.prompts_per_step} tasks x "
              f"{a.group_size}" + (f" at T={a.rl_temperature:g}" if a.rl_temperature is not None else "")
-             + f"; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}", split)
+             + f"; held-out: {a.heldout} tasks x {a.passes} passes at T={a.temperature:g}", split,
+             heldout_sets[-1] if heldout_sets else None)
         print(f"plot: {a.plot}")
     return 0
 
@@ -848,7 +957,7 @@ def solved_line(cells: dict) -> str:
 
 
 def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: int, rl_solved: dict,
-             split: dict | None = None, split_passes: int = 0) -> str:
+             split: dict | None = None, split_passes: int = 0, heldout_sets: list | None = None) -> str:
     fmt_ci = lambda v, ci: f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
     rows = ["| checkpoint | held-out success (mean of K, 95% Wilson) | pass@K (95% Wilson) | valid tool calls | "
             "tests run before finish | turns / episode | output tokens / episode | forbidden edits |",
@@ -884,6 +993,14 @@ def markdown(metrics: dict, compared: dict, curve: list, seconds: dict, passes: 
     rows.append("")
     rows.append(f"compare, RL against SFT over {pair['shared_tasks']} held-out tasks: accuracy "
                 f"{pair['accuracy_a']:.3f} -> {pair['accuracy_b']:.3f}, p = {pair['p']:.4g} ({pair['test']})")
+    if heldout_sets:
+        rows += ["", "| held-out set | tasks | SFT success (95% CI) | RL success (95% CI) | p (paired over tasks) | "
+                 "pass@K SFT -> RL |", "|---|---|---|---|---|---|"]
+        for r in heldout_sets:
+            sft, rl = r["sft"], r["rl"]
+            rows.append(f"| {r['set']} | {rl['tasks']} | {sft['mean']:.3f} [{sft['low']:.3f}, {sft['high']:.3f}] | "
+                        f"{rl['mean']:.3f} [{rl['low']:.3f}, {rl['high']:.3f}] | {rl['p']:.3g} | "
+                        f"{sft['pass_at_k']:.3f} -> {rl['pass_at_k']:.3f} |")
     if split:
         rows.append("")
         parts = (("trained on", split["trained"]), ("not trained on", split["untrained"]))

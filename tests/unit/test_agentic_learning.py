@@ -115,17 +115,32 @@ def test_agentic_learning_smoke(tmp_path):
     assert pretrained["seq_length"] == settings["pretrain_seq_length"] != settings["seq_length"]
     assert f"loaded {out / 'ckpt' / 'pretrain'}" in (out / "logs" / "sft.log").read_text()
 
-    # --rl-prompts: RL on tasks generated with another seed; the same command re-run reuses every phase before RL,
-    # sets the first RL aside and trains on the other file, whose trained and untrained parts --eval-rl-split scores
-    other = tmp_path / "other"
-    subprocess.run([sys.executable, "tools/make_agent_tasks.py", "--out", str(other), "--seed", "5", "--train", "6",
-                    "--heldout", "1"], cwd=ROOT, env=env, check=True, capture_output=True)
-    again = subprocess.run(done.args + ["--rl-prompts", str(other / "train.jsonl")], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=900)
+    # --rl-prompts twice: RL on tasks generated with two other seeds, merged in order; the same command re-run
+    # reuses every phase before RL, sets the first RL aside and trains on the merged file, whose trained and
+    # untrained parts --eval-rl-split scores; --eval-heldout: both checkpoints on another seed's held-out tasks too
+    other, second = tmp_path / "other", tmp_path / "second"
+    for folder, seed, train in ((other, "5", "6"), (second, "6", "2")):
+        subprocess.run([sys.executable, "tools/make_agent_tasks.py", "--out", str(folder), "--seed", seed, "--train",
+                        train, "--heldout", "1"], cwd=ROOT, env=env, check=True, capture_output=True)
+    again = subprocess.run(done.args + ["--rl-prompts", str(other / "train.jsonl"), "--rl-prompts",
+                                        str(second / "train.jsonl"), "--eval-heldout", str(second / "heldout.jsonl"),
+                                        "--eval-heldout-passes", "1"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "[sft] done before" in again.stdout and "[eval_sft] done before" in again.stdout
     assert (out / "ckpt" / "rl.stale-1").is_dir() and (out / "rl_logs.stale-1").is_dir()
-    other_ids = [json.loads(line)["id"] for line in (other / "train.jsonl").read_text().splitlines()]
+    other_ids = [f"f{i}-" + json.loads(line)["id"] for i, folder in enumerate((other, second), 1)
+                 for line in (folder / "train.jsonl").read_text().splitlines()]
+    merged = [json.loads(line) for line in (out / "rl_prompts.jsonl").read_text().splitlines()]
+    assert [t["id"] for t in merged] == other_ids and all(os.path.isdir(t["repo"]) for t in merged)
+    sets = json.loads((out / "summary.json").read_text())["heldout_sets"]
+    assert [r["rl"]["tasks"] for r in sets] == [settings["heldout"], 1, settings["heldout"] + 1]
+    assert sets[-1]["set"] == "all sets" and 0.0 <= sets[-1]["rl"]["p"] <= 1.0
+    second_heldout = json.loads((second / "heldout.jsonl").read_text())["id"]
+    for name in ("sft", "rl"):
+        records = [json.loads(line) for line in
+                   (out / "eval" / f"{name}_heldout_1" / "episodes.jsonl").read_text().splitlines()]
+        assert [r["task"] for r in records] == [second_heldout]
     groups = [json.loads(line) for line in (out / "rl_logs" / "trained_groups.jsonl").read_text().splitlines()]
     assert {g["prompt_id"] for g in groups} <= set(other_ids) and len(groups) == settings["prompts_per_step"]
     split = json.loads((out / "summary.json").read_text())["rl_split"]
@@ -217,6 +232,73 @@ def test_rl_prompts_with_a_held_out_program_shape_are_refused(tmp_path):
     rl.write_text(task(1, kept[1]) + "\n" + json.dumps({"id": "t4", "metadata": {}}) + "\n")
     with pytest.raises(SystemExit, match=r"1 task\(s\) name no program shape in their metadata \(t4\)"):
         bench.no_heldout_shapes(str(rl), str(heldout))
+
+
+def test_several_rl_prompts_files_merge_in_order_with_unique_ids_and_absolute_paths(tmp_path):
+    """Generator seeds reuse task ids and each file's paths are relative to its folder: the merged file prefixes
+    ids by file and makes paths absolute, keeps the order (RL takes tasks in file order), passes the held-out
+    check and is left untouched (its date too) when a re-run merges the same files."""
+    from megatron_ext.env.tasks import load_tasks
+    from tests.unit.data_fixtures import load_tool
+
+    bench = _benchmark()
+    make = load_tool("make_agent_tasks").main
+    for seed in (3, 4):
+        assert make(["--out", str(tmp_path / f"s{seed}"), "--seed", str(seed), "--train", "5", "--heldout", "1"]) in (
+            0, None)
+    files = [str(tmp_path / f"s{seed}" / "train.jsonl") for seed in (3, 4)]
+    assert {t.id for t in load_tasks(files[0])} & {t.id for t in load_tasks(files[1])}  # ids clash as generated
+    path = bench.merge_rl_prompts(files, str(tmp_path / "out" / "rl_prompts.jsonl"))
+    merged = load_tasks(path)  # unique ids, or it raises
+    originals = [t for f in files for t in load_tasks(f)]
+    assert [t.id for t in merged] == [f"f{1 + (i >= 5)}-{t.id}" for i, t in enumerate(originals)]
+    assert [(t.repo, t.instruction, t.metadata) for t in merged] == [(t.repo, t.instruction, t.metadata)
+                                                                      for t in originals]
+    assert all(os.path.isabs(t.repo) and os.path.isdir(t.repo) for t in merged)
+    bench.no_heldout_shapes(path, str(tmp_path / "s3" / "heldout.jsonl"))
+    os.utime(path, (1000, 1000))
+    assert bench.merge_rl_prompts(files, path) == path and os.path.getmtime(path) == 1000
+    assert bench.merge_rl_prompts(files[::-1], path) == path and os.path.getmtime(path) > 1000  # other order
+    assert load_tasks(path)[0].id == "f1-" + load_tasks(files[1])[0].id
+    with pytest.raises(SystemExit, match="--rl-prompts"):
+        bench.merge_rl_prompts([str(tmp_path / "s3" / "heldout.jsonl"), str(tmp_path / "absent.jsonl")], path)
+
+
+def test_eval_heldout_sets_must_be_held_out_and_are_pooled_per_task(tmp_path, capsys):
+    from tests.unit.data_fixtures import load_tool
+
+    bench = _benchmark()
+    assert load_tool("make_agent_tasks").main(["--out", str(tmp_path / "s8"), "--seed", "8", "--train", "4",
+                                               "--heldout", "3"]) in (0, None)
+    bench.only_heldout_shapes(str(tmp_path / "s8" / "heldout.jsonl"))
+    with pytest.raises(SystemExit, match=r"4 task\(s\) have no held-out program shape"):
+        bench.only_heldout_shapes(str(tmp_path / "s8" / "train.jsonl"))
+    for flag in ("--eval-heldout", "--rl-prompts"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", str(tmp_path), flag, str(tmp_path / "absent.jsonl")])
+        assert f"{flag} {tmp_path / 'absent.jsonl'}: no such file" in capsys.readouterr().err
+
+    def run(name, per_task):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"per_task": {
+            t: {"correct": c} for t, c in per_task.items()}}))
+        return str(tmp_path / name)
+
+    # two sets with the same task names (other seeds) and different pass counts: pooled per task, not per pass
+    own = (run("sft", {"a": [0, 0, 0, 0], "b": [1, 1, 1, 1]}), run("rl", {"a": [1, 1, 0, 0], "b": [1, 1, 1, 1]}))
+    extra = (run("sft2", {"a": [0, 0], "c": [1, 0]}), run("rl2", {"a": [1, 1], "c": [1, 1]}))
+    rows = bench.heldout_sets_effect([("own", *own), ("extra", *extra)])
+    assert [r["set"] for r in rows] == ["own", "extra", "all sets"]
+    assert (rows[0]["sft"]["mean"], rows[0]["rl"]["mean"]) == (0.5, 0.75)
+    assert (rows[1]["sft"]["mean"], rows[1]["rl"]["mean"]) == (0.25, 1.0)
+    pooled = rows[2]
+    assert pooled["rl"]["tasks"] == 4 and pooled["sft"]["mean"] == (0 + 1 + 0 + 0.5) / 4
+    assert pooled["rl"]["mean"] == (0.5 + 1 + 1 + 1) / 4 and pooled["rl"]["pass_at_k"] == 1.0
+    assert pooled["sft"]["pass_at_k"] == 0.5 and pooled["sft"]["p"] is None and 0 < pooled["rl"]["p"] <= 1
+    table = bench.markdown({}, {"against_baseline": {"rl": {"shared_tasks": 2, "accuracy_a": 0.5, "accuracy_b": 0.75,
+                                                             "p": 0.5, "test": "t"}}}, [], {}, 4,
+                           {"depth": {}, "kind": {}}, heldout_sets=rows)
+    assert "| all sets | 4 | 0.375 [" in table and "| 0.375 -> 0.875" not in table and "0.500 -> 1.000 |" in table
 
 
 def _fake_save(root, iteration):
