@@ -38,6 +38,11 @@ def add_env_args(parser: argparse.ArgumentParser):
                         "says which hold")
     g.add_argument("--env-output-kb", type=int, default=1024, help="captured output of one command, in KiB")
     g.add_argument("--env-sandbox-dir", default=None, help="host folder for sandbox copies (default: temp dir)")
+    g.add_argument("--env-concurrency", type=int, default=8,
+                   help="RL rollouts: environment calls (sandbox start, a turn's tool calls, grading) a rank or "
+                        "rollout worker runs at once, one thread each, over different episodes; they mostly wait on "
+                        "sandboxed processes, so overlapping them keeps generation from waiting on their sum "
+                        "(1: one after another). The swarm environment runs its calls one at a time")
     _add_agent_prompt_flags(g)
 
 
@@ -108,7 +113,8 @@ def episode_config(args: argparse.Namespace, step: int = 0, check_sandbox: bool 
     start one sandbox now and print the start-up line saying which limits hold (SandboxError, naming the flags,
     when one cannot be enforced and --env-allow-weaker-sandbox is not given)."""
     for flag, value in (("--env-memory-gb", args.env_memory_gb), ("--env-max-processes", args.env_max_processes),
-                        ("--env-cpu-s", args.env_cpu_s), ("--env-output-kb", args.env_output_kb)):
+                        ("--env-cpu-s", args.env_cpu_s), ("--env-output-kb", args.env_output_kb),
+                        ("--env-concurrency", getattr(args, "env_concurrency", 1))):
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
     for flag, value in (("--env-disk-gb", args.env_disk_gb), ("--env-cpus", args.env_cpus)):

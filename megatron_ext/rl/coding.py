@@ -69,6 +69,8 @@ class CodingEnvFactory:
         self.weight_file = WeightFile(args.env_reward_weights, log_fn=log)
         self.overrides = list(args.env_reward_weight)
         self.config = dataclasses.replace(episode_config(args), count_tokens=lambda s: len(tokenizer.encode(s)))
+        # rollout.run_groups runs this many environment calls of different episodes at once (--env-concurrency)
+        self.concurrency = getattr(args, "env_concurrency", 1)
         self.use_weights(self.read_weights(0))
         self.stop_token_ids = (tokenizer.token_id(IM_END),)
 

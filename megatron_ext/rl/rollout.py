@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import math
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -174,6 +175,22 @@ class EpisodeConfig:
     max_response_length: int = 0  # total model tokens of an episode (0: sampling.max_tokens)
 
 
+def concurrently(fn: Callable, items: list, workers: int) -> list:
+    """[fn(x) for x in items], at most `workers` calls at a time in threads (1: one after another, in this thread).
+    For environment calls, which mostly wait on sandboxed processes (a tool's command, the grading tests): a turn's
+    episodes overlap instead of queueing, so generation (on the GPU, or the other ranks' CPU work) does not wait
+    for their sum. Every call has returned before this does; the first failure (in item order) is then raised."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="env") as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        done = [f.exception() for f in futures]  # waits for every call, so none is still running on a raise
+    for f, error in zip(futures, done):
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]
+
+
 def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate: GenerateFn, cfg: EpisodeConfig,
                std_normalize: bool = False) -> list[Group]:
     """G episodes per task, scored; advantages filled in from the (KL-free) rewards.
@@ -181,12 +198,15 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
     An episode is one sequence, or a chain of sequences when the environment restarts it (`StepResult.restart`,
     self-summarisation: the model's turn closes the sequence and the observation is the next one's prompt). Every
     sequence is a rollout with the episode's sample_index and final reward; turns and the token budget count over
-    the whole episode. When anything raises, environments with a `close()` (sandboxes) are closed first."""
+    the whole episode. When anything raises, environments with a `close()` (sandboxes) are closed first.
+    Environment calls (reset, step, score) of different episodes run `make_env.concurrency` at a time (an
+    attribute of the factory, e.g. the coding environment's --env-concurrency; absent: 1), each episode's own calls
+    in order."""
     envs: list[list[Environment]] = []
     try:
         for _ in tasks:
             envs.append([make_env() for _ in range(cfg.group_size)])
-        return _episodes(tasks, envs, generate, cfg, std_normalize)
+        return _episodes(tasks, envs, generate, cfg, std_normalize, max(1, int(getattr(make_env, "concurrency", 1))))
     except BaseException:
         for env in (e for row in envs for e in row):
             if hasattr(env, "close"):
@@ -195,12 +215,11 @@ def run_groups(tasks: list[dict], make_env: Callable[[], Environment], generate:
 
 
 def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: GenerateFn, cfg: EpisodeConfig,
-              std_normalize: bool) -> list[Group]:
+              std_normalize: bool, workers: int = 1) -> list[Group]:
     g = cfg.group_size
-    prompts = [envs[i][0].reset(t) for i, t in enumerate(tasks)]
-    for i, t in enumerate(tasks):
-        for e in envs[i][1:]:
-            e.reset(t)
+    pairs = [(i, j) for i in range(len(tasks)) for j in range(g)]
+    opened = concurrently(lambda ij: envs[ij[0]][ij[1]].reset(tasks[ij[0]]), pairs, workers)
+    prompts = [opened[i * g] for i in range(len(tasks))]  # every episode of a task starts from the same prompt
     budget = cfg.max_response_length or cfg.sampling.max_tokens
     first = generate(prompts, g, cfg.sampling)
     # chains[i][j]: the sequences of episode j of task i, each a list of segments; finish and routing per sequence
@@ -226,9 +245,9 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
     while active:
         turn += 1
         follow = []
-        for i, j, sample in active:
+        results = concurrently(lambda a: envs[a[0]][a[1]].step(a[2].token_ids), active, workers)
+        for (i, j, sample), result in zip(active, results):
             chains[i][j][-1].append(Segment.model(sample))
-            result = envs[i][j].step(sample.token_ids)
             restart = bool(getattr(result, "restart", False))
             left = None if result.done else room(i, j, result.observation, restart)
             ended = sample.finish_reason if result.done else \
@@ -256,11 +275,12 @@ def _episodes(tasks: list[dict], envs: list[list[Environment]], generate: Genera
         many = getattr(generate, "many", None)  # the turn's episodes in one batch where the generator can
         outs = many(calls) if many is not None else [generate(*c) for c in calls]
         active = [(i, j, out[0][0]) for (i, j), out in zip(follow, outs)]
+    rewards = concurrently(lambda ij: _as_reward(envs[ij[0]][ij[1]].score()), pairs, workers)
     groups = []
     for i, t in enumerate(tasks):
         rollouts = []
         for j in range(g):
-            reward = _as_reward(envs[i][j].score())
+            reward = rewards[i * g + j]
             for k, (segments, fin, rt) in enumerate(zip(chains[i][j], finish[i][j], routing[i][j])):
                 rollouts.append(Rollout(t["id"], j, segments, "error" if reward.error else fin, reward, rt, k))
         grp = Group(t["id"], rollouts)

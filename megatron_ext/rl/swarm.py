@@ -65,6 +65,9 @@ class SwarmEnvFactory(CodingEnvFactory):
         self.policy_kwargs = {"max_tokens": args.swarm_subagent_tokens_per_turn,
                               "temperature": args.swarm_subagent_temperature}
         super().__init__(args, tokenizer, log=log)
+        # one environment call at a time: a step may run sub-agents on a shared policy (a local engine is not
+        # thread-safe)
+        self.concurrency = 1
         self.policy = policy or (None if spec in ("pinned", "fleet") else
                                  make_subagent_policy(spec, **self.policy_kwargs))
 

@@ -335,3 +335,121 @@ def test_a_failing_sampler_leaves_no_sandbox_behind(tmp_path, tokenizer_dir):
     with pytest.raises(RuntimeError, match="the sampler died"):
         run_groups(read_coding_tasks(_suite(str(tmp_path), 1)), factory, broken, EpisodeConfig(2, Sampling(8)))
     assert os.listdir(boxes) == []
+
+
+class SlowEnv:
+    """Two turns, then done; each call sleeps 50 ms and is logged (env index, call) so that overlap and each
+    episode's own order can be checked. Reward: the sum of the model's tokens (so results depend on the samples)."""
+
+    lock, active, most, made = None, 0, 0, []
+    fail_at = None  # (env index, turn) whose step raises
+
+    def __init__(self):
+        self.index, self.calls, self.tokens = len(SlowEnv.made), [], 0
+        SlowEnv.made.append(self)
+
+    def _enter(self, call):
+        import time
+
+        with SlowEnv.lock:
+            SlowEnv.active += 1
+            SlowEnv.most = max(SlowEnv.most, SlowEnv.active)
+        self.calls.append(call)
+        time.sleep(0.05)
+        with SlowEnv.lock:
+            SlowEnv.active -= 1
+
+    def reset(self, task):
+        self._enter("reset")
+        self.turns = 0
+        return [1, 2]
+
+    def step(self, model_tokens):
+        from megatron_ext.env.token_env import StepResult
+
+        self._enter(f"step{self.turns}")
+        self.turns += 1
+        self.tokens += sum(model_tokens)
+        if SlowEnv.fail_at == (self.index, self.turns):
+            raise RuntimeError(f"tool of episode {self.index} crashed")
+        return StepResult([7], False) if self.turns < 2 else StepResult([], True)
+
+    def score(self):
+        from megatron_ext.rl.types import Reward
+
+        self._enter("score")
+        return Reward({"tokens": float(self.tokens)}, float(self.tokens))
+
+    def close(self):
+        self.calls.append("close")
+
+
+def _slow_factory(workers):
+    import threading
+
+    SlowEnv.lock, SlowEnv.active, SlowEnv.most, SlowEnv.made, SlowEnv.fail_at = threading.Lock(), 0, 0, [], None
+
+    def make_env():
+        return SlowEnv()
+
+    make_env.concurrency = workers
+    return make_env
+
+
+def test_environment_calls_of_different_episodes_overlap_and_give_the_serial_groups():
+    """run_groups runs reset/step/score of different episodes `make_env.concurrency` at a time: the groups are the
+    ones serial calls give (samples depend on the context, rewards on the samples), each episode's calls stay in
+    order, and no more than that many run at once."""
+    import time
+
+    tasks = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    cfg = EpisodeConfig(4, Sampling(max_tokens=4), max_turns=5, max_response_length=16)
+    results = {}
+    for workers in (1, 4):
+        factory = _slow_factory(workers)
+        start = time.monotonic()
+        groups = run_groups(tasks, factory, _counting_generate, cfg)
+        results[workers] = (time.monotonic() - start, SlowEnv.most, groups, [e.calls for e in SlowEnv.made])
+    serial, parallel = results[1], results[4]
+    assert serial[1] == 1 and parallel[1] == 4  # 12 episodes: the pool fills up, and never beyond its size
+    assert [[(r.token_ids, r.reward.total, r.finish_reason) for r in g.rollouts] for g in parallel[2]] == \
+        [[(r.token_ids, r.reward.total, r.finish_reason) for r in g.rollouts] for g in serial[2]]
+    assert all(calls == ["reset", "step0", "step1", "score"] for calls in parallel[3])
+    # 12 episodes x 4 calls x 50 ms: 2.4 s one after another, a quarter of it four at a time (loose bound: CI)
+    assert serial[0] > 2.3 and parallel[0] < serial[0] * 0.6
+
+
+def test_a_failing_environment_call_raises_after_the_others_returned_and_closes_every_episode():
+    factory = _slow_factory(4)
+    SlowEnv.fail_at = (2, 1)  # episode 2's first step
+    with pytest.raises(RuntimeError, match="tool of episode 2 crashed"):
+        run_groups([{"id": "a"}, {"id": "b"}], factory, _counting_generate,
+                   EpisodeConfig(3, Sampling(max_tokens=4), max_turns=5, max_response_length=16))
+    assert SlowEnv.active == 0  # nothing still running in a pool thread when the error surfaced
+    assert len(SlowEnv.made) == 6 and all(e.calls[-1] == "close" for e in SlowEnv.made)
+    assert all(e.calls[:2] == ["reset", "step0"] for e in SlowEnv.made)  # the turn's other steps ran to the end
+
+
+def test_concurrent_coding_episodes_in_sandboxes_score_like_serial_ones(tmp_path, tokenizer_dir):
+    """Oracle episodes of three tasks, two each, with --env-concurrency 4: every episode correct, its transcript
+    the oracle's, and every sandbox removed; the swarm factory keeps one call at a time; 0 is refused."""
+    tokenizer = build_tokenizer(None, tokenizer_dir)
+    tasks = read_coding_tasks(_suite(str(tmp_path), 3))
+    boxes = tmp_path / "boxes"
+    factory = CodingEnvFactory(_env_args(["--env-sandbox-dir", str(boxes), "--env-concurrency", "4"]), tokenizer,
+                               log=lambda *a: None)
+    assert factory.concurrency == 4 and _env_args([]).env_concurrency == 8
+    gen = OracleGenerate(tokenizer, tasks[0]["instruction"])
+    cfg = EpisodeConfig(2, Sampling(max_tokens=512, stop_token_ids=factory.stop_token_ids), max_turns=12,
+                        max_response_length=8192)
+    groups = run_groups(tasks, factory, gen, cfg)
+    assert [g.prompt_id for g in groups] == [t["id"] for t in tasks]
+    for group in groups:
+        assert len(group.rollouts) == 2
+        for rollout in group.rollouts:
+            assert rollout.reward.error is None and rollout.reward.parts["correctness"] == 1.0
+            model = [tok for tok, m in zip(rollout.token_ids, rollout.per_token()["loss_mask"]) if m]
+            assert model == [tok for turn in gen.turns for tok in turn]
+    assert os.listdir(boxes) == []
+    with pytest.raises(ValueError, match="--env-concurrency must be positive"):
+        CodingEnvFactory(_env_args(["--env-concurrency", "0"]), tokenizer, log=lambda *a: None)

@@ -84,6 +84,7 @@ def test_orchestrator_rollouts_train_only_its_turns_and_carry_the_annealed_parl_
     factory = SwarmEnvFactory(_args(["--env-sandbox-dir", str(boxes), "--swarm-subagent-policy", f"script:{scripts}",
                                      "--swarm-parallel-reward-weight", "0.4", "--swarm-finish-reward-weight", "0.2",
                                      "--swarm-reward-anneal-steps", "10"]), tokenizer, log=lambda *a: None)
+    assert factory.concurrency == 1  # a step may run sub-agents on a shared policy: one environment call at a time
     factory.use_weights(factory.read_weights(5))  # what the trainer does before step 5's rollouts: lambdas halved
     assert factory.config.weights["swarm"] == {"r_parallel": 0.2, "r_finish": 0.1, "step": 5}
     tasks = read_coding_tasks(str(suite))
