@@ -907,7 +907,7 @@ def main(argv=None):
     for i, path in enumerate(extra_heldout, 1):
         for name, ckpt in (("sft", sft_ckpt), ("rl", rl_ckpt)):
             evaluate(f"eval_{name}_heldout_{i}", ckpt, name, path, a.eval_heldout_passes,
-                     os.path.join(eval_dir, f"{name}_heldout_{i}"), tasks=path)
+                     os.path.join(eval_dir, f"{name}_heldout_{i}"), heldout=path)
     runs = lambda suffix: (os.path.join(eval_dir, "sft" + suffix), os.path.join(eval_dir, "rl" + suffix))  # noqa: E731
     heldout_sets = heldout_sets_effect(
         [(f"--seed {a.seed}'s held-out tasks", *runs(""))]

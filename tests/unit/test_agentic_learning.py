@@ -119,7 +119,7 @@ def test_agentic_learning_smoke(tmp_path):
     # reuses every phase before RL, sets the first RL aside and trains on the merged file, whose trained and
     # untrained parts --eval-rl-split scores; --eval-heldout: both checkpoints on another seed's held-out tasks too
     other, second = tmp_path / "other", tmp_path / "second"
-    for folder, seed, train in ((other, "5", "6"), (second, "6", "2")):
+    for folder, seed, train in ((other, "5", "6"), (second, "6", "3")):
         subprocess.run([sys.executable, "tools/make_agent_tasks.py", "--out", str(folder), "--seed", seed, "--train",
                         train, "--heldout", "1"], cwd=ROOT, env=env, check=True, capture_output=True)
     again = subprocess.run(done.args + ["--rl-prompts", str(other / "train.jsonl"), "--rl-prompts",
