@@ -66,12 +66,17 @@ PROMPT_OPTIONS = ["--env-tool-declarations", "compact"]
 def run(cmd: list, log_path: str, threads: int = 1):
     """Runs one phase's command with its output in log_path; a failure names the log. One thread per process
     (parallelism comes from the ranks): on a shared machine, two spinning threads slowed an SFT step from about
-    4 s to 56 s here."""
+    4 s to 56 s here. A phase run again (resumed after a kill, or redone) appends to its log after a dated line,
+    so the earlier part's output is kept."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
+        start = log.tell()
+        log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(str(c) for c in cmd)}\n")
+        log.flush()
         code = run_tied([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code:
         with open(log_path) as f:
+            f.seek(start)
             tail = f.read()[-2000:]
         raise SystemExit(f"{' '.join(str(c) for c in cmd[:4])} ... failed ({code}); see {log_path}:\n{tail}")
 

@@ -301,6 +301,19 @@ def test_eval_heldout_sets_must_be_held_out_and_are_pooled_per_task(tmp_path, ca
     assert "| all sets | 4 | 0.375 [" in table and "| 0.375 -> 0.875" not in table and "0.500 -> 1.000 |" in table
 
 
+def test_a_phase_run_again_appends_to_its_log_and_a_failure_quotes_only_its_own_run(tmp_path):
+    bench = _benchmark()
+    log = str(tmp_path / "rl.log")
+    bench.run([sys.executable, "-c", "print('first run, steps 1-5')"], log)
+    with pytest.raises(SystemExit) as failed:
+        bench.run([sys.executable, "-c", "import sys; print('second run'); sys.exit(3)"], log)
+    text = open(log).read()
+    assert "first run, steps 1-5" in text and "second run" in text  # the resumed phase kept the first part
+    assert text.count("===== ") == 2 and text.index("first run") < text.index("second run")
+    assert "failed (3)" in str(failed.value) and "second run" in str(failed.value)
+    assert "first run" not in str(failed.value)
+
+
 def _fake_save(root, iteration):
     os.makedirs(os.path.join(root, f"iter_{iteration:07d}"), exist_ok=True)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
