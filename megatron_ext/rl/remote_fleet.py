@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 from megatron_ext.rl.orchestrator import RolloutRequest, RolloutResult, WorkerFailure, WorkerLost
 from megatron_ext.rl.remote import ReloadFailed, RemoteGenerate, RemoteServerError, ServerUnavailable
 from megatron_ext.rl.rollout import run_groups
-from megatron_ext.rl.workers import TimedEnv, WorkerConfig
+from megatron_ext.rl.workers import WorkerConfig, timed_envs
 
 
 class RemoteFleet:
@@ -79,8 +79,7 @@ class RemoteFleet:
         t0 = time.perf_counter()
         ep = self.cfg.episode
         episode = replace(ep, sampling=replace(ep.sampling, seed=request.seed))
-        timeout = self.cfg.env_timeout_s
-        make_env = (lambda: TimedEnv(self.make_env(), timeout)) if timeout else self.make_env
+        make_env = timed_envs(self.make_env, self.cfg.env_timeout_s)
         client = self.clients[url]
         groups = run_groups(request.tasks, make_env, client, episode, self.cfg.std_normalize)
         versions = sorted({v for g in groups for r in g.rollouts for s in r.segments if s.trainable

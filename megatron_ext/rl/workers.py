@@ -96,6 +96,19 @@ def packed_bytes(packed: dict) -> int:
 
 
 # ---- environments with a time limit ------------------------------------------------------------------------
+def timed_envs(make_env: Callable[[], Environment], timeout_s: float) -> Callable[[], Environment]:
+    """make_env's environments wrapped in TimedEnv (unchanged when timeout_s is 0/None), keeping the factory's
+    `concurrency` (rollout.run_groups runs that many environment calls at once; each TimedEnv is its own)."""
+    if not timeout_s:
+        return make_env
+
+    def make() -> Environment:
+        return TimedEnv(make_env(), timeout_s)
+
+    make.concurrency = getattr(make_env, "concurrency", 1)
+    return make
+
+
 class TimedEnv:
     """An environment whose step / score run in a helper thread for at most `timeout_s`: a hung environment ends
     its episode (scored 0 with an error naming the timeout) instead of holding the worker forever."""
@@ -462,8 +475,7 @@ class RolloutWorker:
         swaps0, swap_s0 = self._swaps, self._swap_s
         ep = self.cfg.episode
         episode = replace(ep, sampling=replace(ep.sampling, seed=request.seed))
-        make_env = (lambda: TimedEnv(self.make_env(), self.cfg.env_timeout_s)) if self.cfg.env_timeout_s else \
-            self.make_env
+        make_env = timed_envs(self.make_env, self.cfg.env_timeout_s)
         groups = run_groups(request.tasks, make_env, self.batcher, episode, self.cfg.std_normalize)
         # the first tokens are drawn by the oldest weights the request saw (the batch's leader swaps, not this thread)
         versions = [v for g in groups for r in g.rollouts for s in r.segments if s.trainable for v in s.versions]

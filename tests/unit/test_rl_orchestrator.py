@@ -173,6 +173,20 @@ def test_hung_environment_ends_its_episode_with_an_error_reward():
     assert reward.total == 0.0 and "after 0.2 s" in reward.error and time.perf_counter() - t0 < 5
 
 
+def test_timed_environments_keep_the_factorys_concurrency():
+    """Ray workers and the remote fleet wrap environments in TimedEnv (--rl-env-timeout): the wrapper factory keeps
+    the coding factory's concurrency, so their rollouts' environment calls still overlap."""
+    from megatron_ext.rl.workers import TimedEnv, timed_envs
+
+    def factory():
+        return _Hangs()
+
+    factory.concurrency = 6
+    wrapped = timed_envs(factory, 0.2)
+    assert wrapped.concurrency == 6 and isinstance(wrapped(), TimedEnv)
+    assert timed_envs(factory, 0) is factory and timed_envs(_Hangs, 0.2).concurrency == 1
+
+
 def test_a_stop_request_ends_the_wait_for_a_batch():
     """SIGTERM while the trainer waits for rollouts: next_batch gives up (the trainer then saves; the prompts in
     flight are regenerated after the resume)."""
