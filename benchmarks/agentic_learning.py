@@ -209,23 +209,16 @@ def merge_rl_prompts(paths: list, out_path: str) -> str:
     alone."""
     from megatron_ext.env.tasks import TaskError, load_tasks
 
-    lines = []
+    records = []
     for i, path in enumerate(paths, 1):
         try:
-            tasks = load_tasks(path)
+            records += [{**task.to_json(), "id": f"f{i}-{task.id}"} for task in load_tasks(path)]
         except TaskError as e:
             raise SystemExit(f"--rl-prompts: {e}") from None
-        for task in tasks:
-            lines.append(json.dumps({**task.to_json(), "id": f"f{i}-{task.id}"}) + "\n")
-    text = "".join(lines)
-    if os.path.exists(out_path) and open(out_path).read() == text:
+    if os.path.exists(out_path) and open(out_path).read() == "".join(json.dumps(r) + "\n" for r in records):
         return out_path
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, out_path)
-    return out_path
+    return write_jsonl(records, out_path)
 
 
 def only_heldout_shapes(tasks_file: str):
@@ -233,11 +226,10 @@ def only_heldout_shapes(tasks_file: str):
     rule: SFT or RL may have trained on that shape, so success on it would not measure generalisation."""
     from megatron_ext.env.agent_tasks import is_heldout
 
-    tasks = [json.loads(line) for line in open(tasks_file) if line.strip()]
-    if not tasks:
+    shapes = program_shapes(tasks_file)
+    if not shapes:
         raise SystemExit(f"--eval-heldout {tasks_file}: holds no tasks")
-    bad = [t["id"] for t in tasks if not (t.get("metadata") or {}).get("program_shape")
-           or not is_heldout(t["metadata"]["program_shape"])]
+    bad = [task for task, shape in shapes.items() if not shape or not is_heldout(shape)]
     if bad:
         raise SystemExit(f"--eval-heldout {tasks_file}: {len(bad)} task(s) have no held-out program shape "
                          f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); give a heldout.jsonl that "
@@ -405,6 +397,12 @@ def task_groups(tasks_file: str) -> dict:
     return out
 
 
+def program_shapes(tasks_file: str) -> dict:
+    """task id -> the program shape its generator metadata names (None when it names none)."""
+    tasks = [json.loads(line) for line in open(tasks_file) if line.strip()]
+    return {task["id"]: (task.get("metadata") or {}).get("program_shape") for task in tasks}
+
+
 def no_heldout_shapes(tasks_file: str, heldout_file: str):
     """Refuses RL tasks (--rl-prompts) whose program shape is one of the held-out tasks', or is held out by the
     generator's split rule (`agent_tasks.is_heldout` at the default fraction, which the benchmark generates with):
@@ -412,12 +410,8 @@ def no_heldout_shapes(tasks_file: str, heldout_file: str):
     generalisation."""
     from megatron_ext.env.agent_tasks import is_heldout
 
-    def shapes(path: str) -> dict:
-        tasks = [json.loads(line) for line in open(path) if line.strip()]
-        return {task["id"]: (task.get("metadata") or {}).get("program_shape") for task in tasks}
-
-    held = {shape for shape in shapes(heldout_file).values() if shape}
-    given = shapes(tasks_file)
+    held = {shape for shape in program_shapes(heldout_file).values() if shape}
+    given = program_shapes(tasks_file)
     unknown = sorted(task for task, shape in given.items() if not shape)
     if unknown:
         raise SystemExit(f"--rl-prompts {tasks_file}: {len(unknown)} task(s) name no program shape in their metadata "
