@@ -145,6 +145,12 @@ def saved_iteration(ckpt: str):
     return tag if isinstance(tag, int) else None
 
 
+def save_interval(iters: int, saves: int = 10) -> int:
+    """Pretraining and SFT save about ten times, so that a kill (a SLURM requeue, the end of a session) loses at most
+    a tenth of the phase: the same command re-run resumes from the last save (`resume_or`)."""
+    return max(1, -(-iters // saves))
+
+
 def resume_or(ckpt: str, fresh: list) -> list:
     """A phase's start: from its own checkpoint when a save of it exists (a kill after its first save, or a SIGTERM,
     which saves: the re-run command resumes instead of being refused for overwriting it), else from `fresh`."""
@@ -791,7 +797,8 @@ def main(argv=None):
                   "--min-lr", a.pretrain_lr / 10, "--lr-warmup-iters", max(1, a.pretrain_iters // 15),
                   "--lr-decay-style", "cosine", "--train-iters", a.pretrain_iters, "--split", "98,2,0",
                   "--eval-interval", a.pretrain_iters, "--eval-iters", 1, "--log-interval",
-                  max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt, "--save-interval", a.pretrain_iters,
+                  max(1, a.pretrain_iters // 10), "--save", pretrain_ckpt,
+                  "--save-interval", save_interval(a.pretrain_iters),
                   "--seed", a.seed, *resume_or(pretrain_ckpt, ["--load", a.init, "--finetune"] if a.init else [])],
             log("pretrain")), after=["pretrain_data"], outputs=[pretrain_ckpt],
             settings=dict(model=pretrain_model, iters=a.pretrain_iters, lr=a.pretrain_lr, batch=a.pretrain_batch,
@@ -835,7 +842,7 @@ def main(argv=None):
               "--min-lr", a.sft_lr / 10, "--lr-warmup-iters", max(1, a.sft_iters // 20), "--lr-decay-style",
               "cosine", "--train-iters", a.sft_iters, "--split", "95,5,0", "--eval-interval", a.sft_iters,
               "--eval-iters", 1, "--log-interval", max(1, a.sft_iters // 10), "--save", sft_ckpt,
-              "--save-interval", a.sft_iters, "--seed", a.seed], log("sft")),
+              "--save-interval", save_interval(a.sft_iters), "--seed", a.seed], log("sft")),
         settings=dict(model=model, iters=a.sft_iters, lr=a.sft_lr, batch=a.sft_batch, prompt=PROMPT_OPTIONS, **seed),
         after=["tokenizer", sft_source] + (["pretrain"] if code_corpus else []), outputs=[sft_ckpt])
     rl_temperature = a.temperature if a.rl_temperature is None else a.rl_temperature

@@ -114,6 +114,8 @@ def test_agentic_learning_smoke(tmp_path):
     _, pretrained = checkpoint_args(str(out / "ckpt" / "pretrain"), "test")
     assert pretrained["seq_length"] == settings["pretrain_seq_length"] != settings["seq_length"]
     assert f"loaded {out / 'ckpt' / 'pretrain'}" in (out / "logs" / "sft.log").read_text()
+    # pretraining and SFT save along the way (about ten times), so that a kill loses a tenth of the phase, not all
+    assert (out / "ckpt" / "pretrain" / "iter_0000001").is_dir() and (out / "ckpt" / "sft" / "iter_0000002").is_dir()
 
     # --rl-prompts twice: RL on tasks generated with two other seeds, merged in order; the same command re-run
     # reuses every phase before RL, sets the first RL aside and trains on the merged file, whose trained and
