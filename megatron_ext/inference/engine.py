@@ -503,6 +503,8 @@ class _Step:
     hide: Optional[torch.Tensor] = None  # ~mask, made once per step for the layers' masked_fill_
     valid: Optional[torch.Tensor] = None  # [b, s] real (not right-padding) tokens, for KDA states; None: all
     rope: dict = field(default_factory=dict)
+    causal: bool = False  # every row starts at position 0 (a prefill): the mask is plain causal
+    additive: dict = field(default_factory=dict)  # dtype -> the mask as 0 / -inf, made once for every layer
 
 
 class InferenceEngine:
@@ -618,7 +620,7 @@ class InferenceEngine:
             mask = mask.unsqueeze(1)
         absorbed = s <= self.absorb_max_tokens
         return _Step(positions, lengths, total, start, mask, absorbed=absorbed, valid=valid,
-                     hide=~mask if absorbed and mask is not None else None)
+                     hide=~mask if absorbed and mask is not None else None, causal=max(host_lengths) == 0)
 
     def _rope_for(self, attn: MLASelfAttention, step: _Step, length: int):
         """The rotation `_rope` applies at the step's positions, [s, b, 1, rope_dim / 2]: complex numbers, or
@@ -719,10 +721,14 @@ class InferenceEngine:
         if s == 1:  # decode: [b, n, .] throughout, heads first only for the up-projections
             q_latent = torch.bmm(q_nope[0].transpose(0, 1), w_uk)  # [n, b, r]
             query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1).transpose(0, 1)  # [b, n, r + dr]
-            scores = torch.baddbmm(cached.new_empty(()), query, cached.transpose(1, 2), beta=0, alpha=scale)
-            if hide is not None:  # [b, 1, 1, t] -> over the heads
-                scores.masked_fill_(hide.view(b, 1, t), -math.inf)
-            out_latent = torch.bmm(torch.softmax(scores, dim=-1), cached[..., :r])  # [b, n, r]
+            # one fused pass over the cache (the heads as one row's queries, the cached rows as keys and, sliced
+            # after, values): scores, mask and softmax unmaterialised; 1.2-1.45x the attention of 64 rows of 1,300
+            # cached tokens on the CPU (flash kernel) against baddbmm + masked_fill + softmax + bmm
+            mask = None if hide is None else torch.zeros((b, 1, 1, t), dtype=query.dtype, device=query.device) \
+                .masked_fill_(hide.view(b, 1, 1, t), -math.inf)
+            keys = cached.unsqueeze(1)  # [b, 1, t, r + dr]
+            out_latent = F.scaled_dot_product_attention(query.unsqueeze(1), keys, keys, attn_mask=mask,
+                                                        scale=scale)[:, 0, :, :r]  # [b, n, r]
             out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [n, b, dv]
             return out.transpose(0, 1).reshape(1, b, -1)
         if b == 1:  # a speculative verify or a chunk of one row: the s new tokens of every head in one batch
@@ -747,25 +753,47 @@ class InferenceEngine:
         return out.view(n, b, s, -1).permute(heads_first).reshape(s, b, -1)
 
     def _expanded(self, q_nope, q_pe, cached, w_kv_up, step: _Step, scale: float):
-        """Per-head keys and values up-projected from every cached latent, then SDPA; [s, b, n * dv]."""
+        """Per-head keys and values up-projected from every cached latent, then SDPA; [s, b, n * dv]. Values are
+        zero-padded to the query width when MLA's head dims differ, and a prefill (every row from position 0) is
+        `is_causal`: SDPA's fused kernels (flash on the CPU and on CUDA) need equal widths and no boolean mask,
+        else it falls back to a score-materialising path (`_scaled_dot_product_attention_math`), 11-20x slower on
+        the CPU for RL's prefills of 16 episodes of ~1,000 tokens (2026-12-07). Other steps (a prompt's
+        continuation after cached tokens) pass the mask as 0 / -inf, made once per step for every layer."""
         s, b, n, dn = q_nope.shape
         r, t = self.config.kv_lora_rank, cached.size(1)
         kv_up = torch.matmul(cached[..., :r], w_kv_up.t()).view(b, t, n, -1)
         k_nope, v = kv_up[..., :dn], kv_up[..., dn:]
         k = torch.cat((k_nope, cached[..., r:].unsqueeze(2).expand(-1, -1, n, -1)), dim=-1)
+        dv = v.size(-1)
+        if dv != k.size(-1):
+            v = F.pad(v, (0, k.size(-1) - dv))
         q = torch.cat((q_nope, q_pe), dim=-1).permute(1, 2, 0, 3)  # [b, n, s, d]
-        k, v, mask = k.transpose(1, 2), v.transpose(1, 2), step.mask
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        causal = step.causal and s == t
+
+        def mask(rows: slice, queries: slice):
+            if step.mask is None or causal and queries.start == 0 and queries.stop >= s:
+                return None
+            additive = step.additive.get(q.dtype)
+            if additive is None:
+                additive = step.additive[q.dtype] = torch.zeros(step.mask.shape, dtype=q.dtype, device=q.device) \
+                    .masked_fill_(~step.mask, -math.inf)
+            return additive[rows, :, queries]
+
+        def attend(rows: slice, queries: slice):
+            m = mask(rows, queries)
+            return F.scaled_dot_product_attention(q[rows, :, queries], k[rows], v[rows], attn_mask=m, scale=scale,
+                                                  is_causal=m is None and step.mask is not None)
+
         per_row = n * s * t * 4
         if b * per_row <= _ATTENTION_MAX_SCORE_BYTES:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [b, n, s, dv]
+            out = attend(slice(0, b), slice(0, s))  # [b, n, s, d]
         else:
             rows = max(1, _ATTENTION_MAX_SCORE_BYTES // per_row)
             queries = s if rows > 1 else max(1, _ATTENTION_MAX_SCORE_BYTES // (n * t * 4))
-            out = torch.cat([torch.cat([F.scaled_dot_product_attention(
-                q[i:i + rows, :, j:j + queries], k[i:i + rows], v[i:i + rows], scale=scale,
-                attn_mask=None if mask is None else mask[i:i + rows, :, j:j + queries]) for j in range(0, s, queries)],
-                dim=2) for i in range(0, b, rows)])
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            out = torch.cat([torch.cat([attend(slice(i, i + rows), slice(j, j + queries))
+                                        for j in range(0, s, queries)], dim=2) for i in range(0, b, rows)])
+        return out[..., :dv].permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _mlp(self, mlp, h: torch.Tensor, routing: Optional[list]) -> torch.Tensor:
         router = getattr(mlp, "router", None)

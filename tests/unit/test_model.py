@@ -73,6 +73,41 @@ def test_core_attention_mla_dims_causal():
     torch.testing.assert_close(out, _naive_attention(q, k, v, 0.3, causal))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_core_attention_mla_dims_train_in_the_fused_kernel(packed):
+    """Values narrower than keys (MLA) train in SDPA's fused kernel, forward and backward, never in its
+    score-materialising math path (most of an SFT step before), with the naive reference's output and gradients."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    s, n = 9, 3
+    q, k, v = (torch.randn(s, 1, n, d, dtype=torch.float64, requires_grad=True) for d in (24, 24, 16))
+    params = None
+    if packed:  # two documents: the per-document path
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5,
+                                 max_seqlen_kv=5)
+    with profile() as prof:
+        if packed:
+            out = _core()(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=params).unsqueeze(1)
+        else:
+            out = _core()(q, k, v, None)
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    if packed:
+        mask[4:, :4] = False
+    reference = _naive_attention(q, k, v, 0.3, mask)
+    torch.testing.assert_close(out, reference)
+    for got, want in zip(grads, torch.autograd.grad(reference.pow(2).sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+    assert grads[2].shape == v.shape
+
+
 def test_core_attention_packed_documents_do_not_mix():
     from megatron.core.packed_seq_params import PackedSeqParams
 
