@@ -84,6 +84,7 @@ def rl_config(args, tasks, eval_tasks, make_env) -> RLConfig:
                     eval_temperature=args.rl_eval_temperature, sft_warmup=args.rl_sft_warmup,
                     speculative=args.rl_speculative, speculative_depth=args.rl_speculative_depth,
                     speculative_policy=args.rl_speculative_policy or "auto",
+                    prefix_cache_mb=args.rl_prefix_cache_mb,
                     remote_servers=args.rl_remote_servers or [], remote_weights_dir=args.rl_remote_weights_dir,
                     fleet=fleet_config(args), new_prompts=args.rl_new_prompts)
 

@@ -43,6 +43,7 @@ expert in ``experts.linear_fc1`` / ``linear_fc2``); `_expert_weights` reads eith
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from dataclasses import dataclass, field
@@ -204,6 +205,73 @@ class LatentCache:
     def bytes(self) -> int:
         tensors = self.kv + [t for st in self.states if st is not None for t in st]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PrefixStore:
+    """Latent caches of finished rows, kept so that a later prompt which continues one (the next turn of a
+    multi-turn episode: the previous prompt, the tokens sampled, the tool's output) prefills only its new tokens
+    instead of the whole conversation again. An entry holds the tokens its cache covers (the prompt and every
+    sampled token but the last, which was never fed) and is used once, by the first prompt it is a proper prefix
+    of; entries made with other weights are never used (and are dropped). At most `max_bytes` of cache are kept,
+    the oldest entries dropped first. Only MLA layers and requests without routing replay use it (a KDA state or a
+    routing table of the prefix is not kept)."""
+
+    HEAD = 16  # entries are found by their first tokens
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.entries: collections.OrderedDict[int, tuple[list[int], list[torch.Tensor], int]] = \
+            collections.OrderedDict()
+        self.by_head: dict[tuple, list[int]] = collections.defaultdict(list)
+        self.bytes, self._next = 0, 0
+        self.hits = self.misses = self.reused_tokens = 0
+
+    @staticmethod
+    def _size(kv: list[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in kv)
+
+    def _drop(self, key: int):
+        tokens, kv, _ = self.entries.pop(key)
+        self.bytes -= self._size(kv)
+        head = self.by_head[tuple(tokens[:self.HEAD])]
+        head.remove(key)
+        if not head:
+            del self.by_head[tuple(tokens[:self.HEAD])]
+
+    def _forget_other_versions(self, version: int):
+        for key in [k for k, (_, _, v) in self.entries.items() if v != version]:
+            self._drop(key)
+
+    def put(self, tokens: list[int], kv: list[torch.Tensor], version: int):
+        """Keep `kv` (per layer [len(tokens), r + rope], owned by the store) as the cache of `tokens`."""
+        size = self._size(kv)
+        if len(tokens) < self.HEAD or size > self.max_bytes:
+            return
+        self._forget_other_versions(version)
+        while self.entries and self.bytes + size > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+        key, self._next = self._next, self._next + 1
+        self.entries[key] = (list(tokens), kv, version)
+        self.by_head[tuple(tokens[:self.HEAD])].append(key)
+        self.bytes += size
+
+    def take(self, prompt: list[int], version: int) -> Optional[tuple[int, list[torch.Tensor]]]:
+        """(tokens covered, cache per layer) of the longest entry that is a proper prefix of `prompt`, removed from
+        the store; None when none is."""
+        self._forget_other_versions(version)
+        best = None
+        for key in self.by_head.get(tuple(prompt[:self.HEAD]), ()):
+            tokens = self.entries[key][0]
+            if len(tokens) < len(prompt) and (best is None or len(tokens) > best[1]) \
+                    and prompt[:len(tokens)] == tokens:
+                best = (key, len(tokens))
+        if best is None:
+            self.misses += 1
+            return None
+        kv = self.entries[best[0]][1]
+        self._drop(best[0])
+        self.hits, self.reused_tokens = self.hits + 1, self.reused_tokens + best[1]
+        return best[1], kv
 
 
 class _Groups:
@@ -533,6 +601,8 @@ class InferenceEngine:
         if vocab_size is not None:
             self.set_vocab_size(vocab_size)
         self.weights_version = weights_version
+        # finished rows' caches for prompts that continue them (multi-turn episodes); None: off (enable_prefix_store)
+        self.prefix_store: Optional[PrefixStore] = None
         # In-flight weight updates (RL rollout workers): called between decode steps of a batch; returns True when
         # it changed the weights (update_weights). The batch then re-encodes its unfinished rows' tokens under the
         # new weights (their cache is rebuilt, so later tokens' logprobs are exactly the new policy's) and tags
@@ -577,6 +647,14 @@ class InferenceEngine:
         # and the latest decision per (draft depth, batch bucket, path: "single" or "batched")
         self.draft_costs: dict[tuple, object] = {}
         self.speculation_decisions: dict[tuple, bool] = {}
+
+    def enable_prefix_store(self, max_mb: float) -> Optional[PrefixStore]:
+        """Keep finished rows' caches (at most `max_mb` MB) for prompts that continue them (PrefixStore); 0 turns
+        it off. Not for Kimi Linear hybrids (a KDA layer's state is not kept): None there."""
+        self.prefix_store = None
+        if max_mb > 0 and all(r is None for r in self.recurrent):
+            self.prefix_store = PrefixStore(int(max_mb * 2 ** 20))
+        return self.prefix_store
 
     def set_vocab_size(self, vocab_size: int):
         """Limit generation to the tokenizer's ids: the embedding's padding rows are never sampled."""
@@ -1275,21 +1353,31 @@ class _Batch:
             raise RuntimeError(f"the weights changed (version {self.version} -> {eng.weights_version}) while rows "
                                "were decoding, outside the engine's between_steps hook: their cache is stale")
         prompt_of = _prompt_of(counts)
+        record = any(p.return_routing for p in rows)
+        # a prompt that continues a finished row's tokens starts from that row's cache (eng.prefix_store): only its
+        # new tokens are prefilled, after `starts[i]` cached ones
+        store = eng.prefix_store if not record else None
+        reused = [store.take(p, eng.weights_version) if store is not None else None for p in prompts]
+        starts = [0 if hit is None else hit[0] for hit in reused]
         # prefill each prompt once: right-padded; pad positions write latents that decoding overwrites. Nothing of
         # the batch changes before it succeeded (a prefill that raises, e.g. out of memory, leaves the batch whole)
-        lens = [len(p) for p in prompts]
+        lens = [len(p) - start for p, start in zip(prompts, starts)]  # the tokens prefilled now
         width, P = max(lens), len(prompts)
-        max_len = max(lens[i] + r.max_tokens for i, r in zip(prompt_of, rows))
-        record = any(p.return_routing for p in rows)
+        max_len = max(max(starts) + width, max(starts[i] + lens[i] + r.max_tokens for i, r in zip(prompt_of, rows)))
         cache = eng.new_cache(len(eng.layers), P, max_len)
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=dev)
-        positions = torch.arange(width, device=dev).unsqueeze(0).expand(P, -1).contiguous()
+        for i, hit in enumerate(reused):
+            if hit is not None:
+                for layer, kv in zip(cache.kv, hit[1]):
+                    layer[i, : starts[i]] = kv
+        tokens = torch.tensor([p[start:] + [0] * (width - n) for p, start, n in zip(prompts, starts, lens)],
+                              dtype=torch.long, device=dev)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        positions = (starts_t.unsqueeze(1) + torch.arange(width, device=dev).unsqueeze(0)).contiguous()
         routing = [] if record else None
         valid = None
         if min(lens) != width:  # right-padding must not reach a KDA layer's state
-            valid = positions < torch.tensor(lens, device=dev).unsqueeze(1)
-        hidden = eng.hidden(tokens, positions, cache, torch.zeros(P, dtype=torch.long, device=dev), routing, valid,
-                            host_lengths=[0] * P)
+            valid = torch.arange(width, device=dev).unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)
+        hidden = eng.hidden(tokens, positions, cache, starts_t, routing, valid, host_lengths=starts)
         eng.prefill_tokens += sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         last = eng.logits(hidden[lens_t - 1, torch.arange(P, device=dev)].unsqueeze(0))[:, 0]  # [P, vocab]
@@ -1317,13 +1405,13 @@ class _Batch:
             for r, i in zip(new, prompt_of):
                 if self.want_routing[r]:
                     self.prefix_routing[r], self.first_step[r] = table[: lens[i], i], self.steps
-        lengths = lens_t.repeat_interleave(counts_t)
+        lengths = (starts_t + lens_t).repeat_interleave(counts_t)
         if self.cache is None:
             self.cache, self.lengths = cache, lengths
         else:
             self.cache.join(cache)
             self.lengths = torch.cat((self.lengths, lengths))
-        self.host_lengths += [lens[i] for i in prompt_of]
+        self.host_lengths += [starts[i] + lens[i] for i in prompt_of]
         self.in_cache = self.in_cache + new
         self.last = last if self.last is None else torch.cat((self.last, last))
         self.active = self.active + new
@@ -1344,6 +1432,8 @@ class _Batch:
                 done.append(r)
                 if self.want_routing[r]:
                     forward.append(r)  # once more, for the routing of its last token
+        if done and eng.prefix_store is not None:
+            self._store(done)
         hidden = None
         if forward:
             if forward != self.in_cache:  # finished rows leave the batch: the others move up, in place
@@ -1384,6 +1474,18 @@ class _Batch:
         self.active = going
         self._finish(done)
         return done
+
+    def _store(self, rows: list[int]):
+        """Hand finished rows' caches to the engine's prefix store (those without routing, which fed all but their
+        newest token)."""
+        where = {r: i for i, r in enumerate(self.in_cache)}
+        for r in rows:
+            c, i = self.out[r], where.get(r)
+            if i is None or self.want_routing[r] or self.host_lengths[i] != len(c.prompt_ids) + len(c.token_ids) - 1:
+                continue
+            n = self.host_lengths[i]
+            self.engine.prefix_store.put(c.prompt_ids + c.token_ids[:-1], [kv[i, :n].clone() for kv in self.cache.kv],
+                                         self.version)
 
     def take(self, rows: list[int]) -> list[Completion]:
         """The finished rows' completions, released by the batch."""

@@ -124,6 +124,12 @@ def add_rl_args(parser: argparse.ArgumentParser):
                         "joins the decode batch at the next step and returns as soon as its own rows finish, "
                         "instead of static per-turn batches that end with their longest row (docs/rl-worker-"
                         "batching.md). It pays with --rl-worker-concurrency > 1")
+    a.add_argument("--rl-prefix-cache-mb", type=float, default=1024.0,
+                   help="multi-turn episodes: MB of finished turns' latent caches the local engine keeps, so that "
+                        "an episode's next turn prefills only its new tokens (the sampled turn's last token and the "
+                        "tool output) instead of the whole conversation again (the same tokens and log-"
+                        "probabilities; docs/benchmarks.md, session 33); oldest dropped first; 0: off. Not used "
+                        "with --rl-speculative or for Kimi Linear hybrids")
     a.add_argument("--rl-rollout-timeout", type=float, default=600.0,
                    help="seconds a worker may work on one request before it is killed, replaced and its prompts "
                         "requeued")
@@ -178,6 +184,8 @@ def validate_rl_args(args: argparse.Namespace):
     mtp = args.arch.mtp_num_layers or 0
     if args.rl_speculative and not mtp:
         fail("--rl-speculative drafts with the MTP layers: the model needs --mtp-num-layers >= 1")
+    if args.rl_prefix_cache_mb < 0:
+        fail(f"--rl-prefix-cache-mb is a size in MB (0: off), got {args.rl_prefix_cache_mb:g}")
     if args.rl_speculative_policy is not None and not args.rl_speculative:
         fail("--rl-speculative-policy needs --rl-speculative")
     if args.rl_speculative_policy is not None and args.rl_remote_servers:

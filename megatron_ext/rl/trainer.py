@@ -76,6 +76,7 @@ class RLConfig:
     speculative: bool = False  # MTP speculative decoding of rollouts (lossless); acceptance logged per step
     speculative_depth: Optional[int] = None  # MTP layers drafting (None: all)
     speculative_policy: str = "always"  # "auto": a batch not expected to gain from drafting decodes plainly
+    prefix_cache_mb: float = 0  # multi-turn episodes: finished turns' caches kept for the next turn (0: off)
     remote_servers: list = field(default_factory=list)  # SGLang-native servers generating instead of the ranks
     remote_weights_dir: Optional[str] = None  # where each step's weights go for the servers to reload
     new_prompts: bool = False  # resume on a different prompt file: its cursor starts at 0 (--rl-new-prompts)
@@ -257,6 +258,8 @@ class RLTrainer:
             self.generate = EngineGenerate(self.engine, speculative=cfg.speculative,
                                            draft_depth=cfg.speculative_depth,
                                            speculation_policy=cfg.speculative_policy)
+            if cfg.max_turns > 1 and not cfg.speculative:  # a turn continues the last one's cache
+                self.engine.enable_prefix_store(cfg.prefix_cache_mb)
         self.orchestrator = self.fleet = None
         if cfg.fleet is not None:
             if self._fleet_by_path() and not cfg.remote_servers:  # Ray workers' first weights: DIR/v<iteration>
@@ -384,6 +387,8 @@ class RLTrainer:
         None when every prompt is trained; {"stopped": True} when a SIGTERM arrived while waiting for rollouts."""
         timers: dict[str, float] = {}
         t_step = time.perf_counter()
+        engine = getattr(self, "engine", None)
+        prefilled = engine.prefill_tokens if engine is not None else 0
         batch = self._rollouts()
         if batch is None or batch == "stop":
             return None if batch is None else {"stopped": True}
@@ -396,6 +401,10 @@ class RLTrainer:
         samples, mbs, nmb, scored = self._reference_and_advantages(groups)
         timers["reference"] = time.perf_counter() - t
         metrics = {**scored, **group_metrics(groups), **({} if fleet else source)}
+        store = getattr(engine, "prefix_store", None)
+        if store is not None:  # this rank's prompt tokens that continued a finished turn's cache (not prefilled)
+            reused, store.reused_tokens = store.reused_tokens, 0
+            metrics["prefix reuse"] = reused / max(reused + engine.prefill_tokens - prefilled, 1)
 
         t = time.perf_counter()
         results = self._train(mbs, nmb)

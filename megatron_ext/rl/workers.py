@@ -187,6 +187,8 @@ class EngineBackend:
         # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
         self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth,
                                        speculation_policy=speculation_policy)
+        if not speculative:  # an episode's next turn continues its last turn's cache (--rl-prefix-cache-mb)
+            self.engine.enable_prefix_store(getattr(model_args, "rl_prefix_cache_mb", 0))
 
     @property
     def version(self) -> int:

@@ -270,3 +270,52 @@ def test_row_sampling_distributions_match_a_direct_implementation():
     plain = row_sampling_probs(logits[:2], torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
                                torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bool))
     assert plain.tolist()[1] == pytest.approx(_reference_distribution(logits[1].tolist(), 1.0, 0, 1.0), abs=1e-12)
+
+
+def test_multi_turn_rollouts_continue_each_episodes_cache(setup):
+    """RL's multi-turn rollouts (rollout.run_groups through EngineGenerate, groups of 3, seeded sampling) with the
+    engine's prefix store: every turn after the first prefills only the tokens its episode added (the last sampled
+    token and the observation), and the groups are the ones a full prefill per turn gives: the same tokens,
+    log-probabilities to 1e-5, rewards."""
+    from megatron_ext.env.token_env import StepResult
+    from megatron_ext.rl.rollout import EngineGenerate, EpisodeConfig, Sampling, run_groups
+    from megatron_ext.rl.types import Reward
+
+    eng, _, _ = setup
+
+    class Echo:
+        """Three turns; the observation is the model's last two tokens and the turn number; reward: tokens seen."""
+
+        def reset(self, task):
+            self.turns, self.seen = 0, 0
+            return _prompt(task["seed"], 24)
+
+        def step(self, tokens):
+            self.turns, self.seen = self.turns + 1, self.seen + len(tokens)
+            return StepResult([], True) if self.turns == 3 else StepResult(list(tokens[-2:]) + [self.turns], False)
+
+        def score(self):
+            return Reward({"seen": float(self.seen)}, float(self.seen))
+
+    tasks = [{"id": "a", "seed": 10}, {"id": "b", "seed": 11}]
+    cfg = EpisodeConfig(3, Sampling(max_tokens=5, temperature=1.0, seed=4), max_turns=3, max_response_length=15)
+    runs = {}
+    try:
+        for mb in (0, 64):
+            store = eng.enable_prefix_store(mb)
+            before = eng.prefill_tokens
+            runs[mb] = run_groups(tasks, Echo, EngineGenerate(eng), cfg), eng.prefill_tokens - before, store
+    finally:
+        eng.enable_prefix_store(0)
+    (plain, plain_prefill, _), (cached, cached_prefill, store) = runs[0], runs[64]
+    episodes = [(g, r) for g in cached for r in g.rollouts]
+    later_turns = sum(1 for _, r in episodes for s in r.segments[2::2])  # observations after the first turn
+    assert store.hits == later_turns == 2 * 3 * 2
+    # turn 1: each task's prompt once (its 3 samples share it); later turns: the last token + a 3-token observation
+    assert cached_prefill == 2 * 24 + later_turns * (1 + 3) < plain_prefill
+    for a, b in zip(plain, cached):
+        assert [r.reward.total for r in a.rollouts] == [r.reward.total for r in b.rollouts]
+        for x, y in zip(a.rollouts, b.rollouts):
+            assert [s.token_ids for s in x.segments] == [s.token_ids for s in y.segments]
+            assert [lp for s in x.segments if s.trainable for lp in s.logprobs] == pytest.approx(
+                [lp for s in y.segments if s.trainable for lp in s.logprobs], abs=1e-5)

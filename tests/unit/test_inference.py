@@ -812,3 +812,49 @@ def test_onednn_products_give_the_models_logits_and_moe(engine, monkeypatch):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         assert expert_fc1 in taken
     assert grouped == []  # the loop over the experts, not torch's grouped GEMM
+
+
+def test_prefix_store_prefills_only_a_continued_prompts_new_tokens(engine):
+    """A multi-turn episode's next prompt (the last prompt, its sampled tokens, a tool's output) starts from the
+    finished row's cache: only the new tokens are prefilled, and the tokens and log-probabilities are those of a
+    prefill of the whole conversation. Stale weights, prompts that do not continue an entry and the byte budget
+    fall back to a full prefill."""
+    eng, _ = engine
+    version = eng.weights_version
+    g = torch.Generator().manual_seed(6)
+    first = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (40, 25, 33)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    observation = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (7, 12, 3)]
+    try:
+        store = eng.enable_prefix_store(64)
+        turn1 = eng.generate(first, params)
+        assert len(store.entries) == 3
+        second = [p + c.token_ids + o for p, c, o in zip(first, turn1, observation)]
+        before = eng.prefill_tokens
+        cached = eng.generate(second, params)
+        # each row's newest sampled token (never fed) and the observation
+        assert eng.prefill_tokens - before == sum(1 + len(o) for o in observation)
+        assert store.hits == 3 and store.reused_tokens == sum(len(p) + len(c.token_ids) - 1
+                                                              for p, c in zip(first, turn1))
+        eng.enable_prefix_store(0)
+        before = eng.prefill_tokens
+        whole = eng.generate(second, params)
+        assert eng.prefill_tokens - before == sum(len(p) for p in second)
+        for a, b in zip(cached, whole):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+        store = eng.enable_prefix_store(64)  # other weights: the entry is never used
+        turn1 = eng.generate(first[:1], params)
+        eng.weights_version += 1
+        eng.generate([first[0] + turn1[0].token_ids + [5]], params)
+        assert store.hits == 0 and [v for _, _, v in store.entries.values()] == [eng.weights_version]
+        eng.generate(first[:1], params)  # a prompt that is not a continuation, or the same prompt again: no hit
+        eng.generate(first[:1], params)
+        assert store.hits == 0
+        small = eng.enable_prefix_store(1e-6)  # smaller than any entry: nothing kept
+        eng.generate(first, params)
+        assert not small.entries and small.bytes == 0
+    finally:
+        eng.enable_prefix_store(0)
+        eng.weights_version = version

@@ -37,7 +37,8 @@ def test_turns_share_decode_steps_and_each_returns_when_its_own_rows_finish(mode
     served, _ = models
     gen = EngineGenerate(InferenceEngine(served))
     batcher = ContinuousBatcher(gen, before=lambda: None)
-    long = [([_prompt(1, 5)], 2, Sampling(max_tokens=60, temperature=1.0, seed=3))]
+    # long enough that the short turn joins it on a loaded machine (60 tokens once lost that race under a parallel run)
+    long = [([_prompt(1, 5)], 2, Sampling(max_tokens=200, temperature=1.0, seed=3))]
     short = [([_prompt(2, 4)], 1, Sampling(max_tokens=3, temperature=1.0, seed=4)),
              ([_prompt(3, 6)], 2, Sampling(max_tokens=4, temperature=0.0))]
     alone = {"long": gen.many(long), "short": gen.many(short)}
