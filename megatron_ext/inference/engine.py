@@ -834,9 +834,10 @@ class InferenceEngine:
         """Per-head keys and values up-projected from every cached latent, then SDPA; [s, b, n * dv]. Values are
         zero-padded to the query width when MLA's head dims differ, and a prefill (every row from position 0) is
         `is_causal`: SDPA's fused kernels (flash on the CPU and on CUDA) need equal widths and no boolean mask,
-        else it falls back to a score-materialising path (`_scaled_dot_product_attention_math`), 11-20x slower on
-        the CPU for RL's prefills of 16 episodes of ~1,000 tokens (2026-12-07). Other steps (a prompt's
-        continuation after cached tokens) pass the mask as 0 / -inf, made once per step for every layer."""
+        else it falls back to a score-materialising path (`_scaled_dot_product_attention_math`): a whole prefill
+        of 64 prompts of 1,400 tokens took 24 s on the CPU, 5 s fused (benchmarks/prefill_memory.py, 2026-12-07).
+        Other steps (a prompt's continuation after cached tokens) pass the mask as 0 / -inf, made once per step for
+        every layer."""
         s, b, n, dn = q_nope.shape
         r, t = self.config.kv_lora_rank, cached.size(1)
         kv_up = torch.matmul(cached[..., :r], w_kv_up.t()).view(b, t, n, -1)
