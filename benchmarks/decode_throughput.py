@@ -5,10 +5,11 @@
     decode the same prompt for the same number of tokens (goal >= 2x).
     (a) also prints the weight-read floor: the time per token of only the one-row matrix products a decode step
     makes (every attention projection, the router, the shared expert, top-k routed experts, the dense MLP of the
-    first layer, the output layer), timed as bare calls of the engine's kernel (`platform.linear`: oneDNN for
-    big fp32 weights on an x86 CPU), next to the same products as `F.linear` (torch's BLAS) and a bare read of
-    the bytes (`sum`); decoding is reported as a fraction of the first. `--only floor` prints just that, without
-    transformers' side. `--only ops` counts the torch ops our decode step issues per token on (a)'s model (the
+    first layer, the output layer), timed as bare calls of the engine's kernel (`platform.linear`: oneDNN or
+    torch's BLAS for big fp32 weights on an x86 CPU, whichever the engine measured faster), next to the same
+    products as `F.linear` (torch's BLAS) and a bare read of the bytes (`sum`), each repeat with other routed
+    experts (as steps routed elsewhere); decoding is reported as a fraction of the first. `--only floor` prints
+    just that, without transformers' side. `--only ops` counts the torch ops our decode step issues per token on (a)'s model (the
     profiler's top-level ops): the per-step host overhead as a number that a busy machine does not change.
 (b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
     With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
@@ -190,58 +191,35 @@ def load_engine(load: str) -> tuple[InferenceEngine, argparse.Namespace]:
     return InferenceEngine(model[0]), args
 
 
-def decode_weights(engine: InferenceEngine) -> list[torch.Tensor]:
-    """The matrices one decode step (batch 1) multiplies a row by: the attention projections, the router, the
-    shared expert and top-k routed experts of each MoE layer (which k does not change the bytes), the dense MLP,
-    the output layer. Norm vectors are left out (a few KB)."""
-    def matrices(module):
-        return [m.weight for m in module.modules() if torch.is_tensor(getattr(m, "weight", None))
-                and m.weight.dim() == 2]
-
-    out = []
-    for layer in engine.layers:
-        out += matrices(layer.self_attention)
-        mlp = layer.mlp
-        router = getattr(mlp, "router", None)
-        if router is None:
-            out += matrices(mlp)
-            continue
-        out.append(router.weight)
-        if getattr(mlp, "shared_experts", None) is not None:
-            out += matrices(mlp.shared_experts)
-        for expert in list(mlp.experts.local_experts)[: router.topk]:
-            out += matrices(expert)
-    model = engine.model
-    out.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
-               else model.output_layer.weight)
-    return out
-
-
 def weight_read_floor(engine: InferenceEngine, repeats: int = 30) -> tuple[float, dict[str, float]]:
     """(MB read, {kind: median ms}) of one decode step's matrix products alone: "engine", as one-row products
-    through the engine's own kernel choice (`platform.linear`: oneDNN for big fp32 weights on an x86 CPU, else
-    F.linear), the floor its decode step is measured against; "F.linear", through torch's BLAS (MKL on x86,
-    what `transformers` uses); "read", one `sum` per matrix, reading the same bytes without multiplying."""
+    through the engine's own kernel choice (`platform.linear`: oneDNN or torch's BLAS, whichever the engine
+    measured faster on this CPU), the floor its decode step is measured against; "F.linear", through torch's BLAS
+    (MKL on x86, what `transformers` uses); "read", one `sum` per matrix, reading the same bytes without
+    multiplying. Each repeat reads other routed experts (`decode_weights(rotation)`), as decode steps routed
+    elsewhere do: re-reading the same few would time them from the CPU's cache, faster than a step reads them."""
     import torch.nn.functional as F
 
     from megatron_ext import platform
 
-    weights = [w.detach() for w in decode_weights(engine)]
-    rows = [torch.randn(1, w.size(1), dtype=w.dtype, device=w.device) for w in weights]
-    sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)  # a GPU's products are asynchronous
     kinds = {"engine": lambda x, w: platform.linear(x, w), "F.linear": F.linear, "read": lambda x, w: w.sum()}
+    # each kind of each repeat has experts of its own: the kind after another would find them in the cache
+    steps = [[w.detach() for w in engine.decode_weights(r)] for r in range((repeats + 3) * len(kinds))]
+    rows = [torch.randn(1, w.size(1), dtype=w.dtype, device=w.device) for w in steps[0]]
+    sync = torch.cuda.synchronize if rows[0].is_cuda else (lambda: None)  # a GPU's products are asynchronous
     times = {kind: [] for kind in kinds}
     # as the engine's forwards, outside the CPU bridge's device mapping (its dispatch costs ~10 us per torch call)
     with torch.inference_mode(), platform.without_device_mapping():
-        for _ in range(repeats + 3):
-            for kind, product in kinds.items():  # interleaved, so that load hits each kind alike
+        for r in range(repeats + 3):
+            for k, (kind, product) in enumerate(kinds.items()):  # interleaved, so that load hits each kind alike
+                weights = steps[r * len(kinds) + k]
                 sync()
                 t = time.perf_counter()
                 for x, w in zip(rows, weights):
                     product(x, w)
                 sync()
                 times[kind].append(time.perf_counter() - t)
-    mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    mb = sum(w.numel() * w.element_size() for w in steps[0]) / 1e6
     return mb, {kind: statistics.median(ts[3:]) * 1e3 for kind, ts in times.items()}
 
 
@@ -289,7 +267,7 @@ def product_table(engine: InferenceEngine, rows=(1, 8), repeats: int = 9) -> lis
         return []
     onednn = torch.ops.mkldnn._linear_pointwise
     shapes = {}
-    for w in decode_weights(engine):
+    for w in engine.decode_weights():
         shapes.setdefault(tuple(w.shape), w.detach().float().contiguous())
     lines = ["| weight [out, in] | KiB | rows | F.linear us | oneDNN us | ratio | platform.linear picks |",
              "|---|---|---|---|---|---|---|"]

@@ -27,7 +27,9 @@ import contextlib
 import functools
 import importlib.util
 import os
+import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -485,35 +487,84 @@ def install() -> bool:
     return True
 
 
-# Matrix products for inference on an x86 CPU. Torch's CPU BLAS is MKL, and on an AMD EPYC MKL's fp32 products
-# by weights read from memory (not cache) measured as fast as oneDNN's inner product at ~288 KiB and up to 3.4x
-# slower for bigger weights, at 1 and 8 rows (`benchmarks/decode_throughput.py --only floor`, docs/benchmarks.md):
-# MKL read a decode step's weights at ~15 GB/s, oneDNN at ~30 GB/s, a plain `sum` at 40-65 GB/s. Smaller weights
-# stay on F.linear (oneDNN's ~12-15 us per call is more than the product). The oneDNN op is the one Inductor's CPU
-# backend calls (`mkldnn::_linear_pointwise`), on plain dense weights: no packed copy, so in-place weight updates
-# show through.
-# It has no backward, so it is used only where no gradient is recorded (inference mode, no_grad). Results agree
-# with F.linear up to fp32 summation order. `CPU_LINEAR_ONEDNN = False` (or MEGATRON_EXT_CPU_LINEAR=blas) keeps
-# F.linear everywhere, e.g. to time both.
+# Matrix products for inference on an x86 CPU. Torch's CPU BLAS is MKL, and on an AMD EPYC (32 MiB L3) MKL's fp32
+# products by weights read from memory (not cache) measured as fast as oneDNN's inner product at ~288 KiB and up to
+# 3.4x slower for bigger weights, at 1 and 8 rows (`benchmarks/decode_throughput.py --only floor`,
+# docs/benchmarks.md): MKL read a decode step's weights at ~15 GB/s, oneDNN at ~30 GB/s. On an Intel Xeon whose
+# L3 holds a tiny model's weights (480 MiB) it was the other way round: MKL 34 GB/s, oneDNN 19 GB/s. So which
+# kernel a process uses is measured, not assumed: `choose_cpu_linear` times one-row products by the engine's own
+# decode weights through both, once per process (MEGATRON_EXT_CPU_LINEAR=auto, the default), and `onednn` or
+# `blas` fixes the choice. Smaller weights stay on F.linear (oneDNN's ~12-15 us per call is more than the
+# product). The oneDNN op is the one Inductor's CPU backend calls (`mkldnn::_linear_pointwise`), on plain dense
+# weights: no packed copy, so in-place weight updates show through. It has no backward, so it is used only where
+# no gradient is recorded (inference mode, no_grad). Results agree with F.linear up to fp32 summation order.
 ONEDNN_LINEAR_MIN_BYTES = 192 * 1024
+CPU_LINEAR_MODES = ("auto", "onednn", "blas")
+
+
+def _cpu_linear_mode() -> str:
+    mode = os.environ.get("MEGATRON_EXT_CPU_LINEAR", "auto")
+    if mode not in CPU_LINEAR_MODES:
+        raise ValueError(f"MEGATRON_EXT_CPU_LINEAR={mode!r}: use one of {', '.join(CPU_LINEAR_MODES)} (auto, the "
+                         "default, measures which kernel is faster for the engine's weights on this CPU)")
+    return mode
 
 
 def _onednn_linear_available() -> bool:
     import platform as _host
 
-    return (os.environ.get("MEGATRON_EXT_CPU_LINEAR", "onednn") != "blas"
-            and _host.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (_cpu_linear_mode() != "blas" and _host.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-CPU_LINEAR_ONEDNN = _onednn_linear_available()
+CPU_LINEAR_ONEDNN = _onednn_linear_available()  # oneDNN may take products in this process
+# the process's choice: "onednn" or "blas"; None until `choose_cpu_linear` measured (oneDNN meanwhile, as it was)
+CPU_LINEAR_CHOICE: Optional[str] = None if _cpu_linear_mode() == "auto" else _cpu_linear_mode()
+CPU_LINEAR_MEASURE_MB = 256  # bytes of weights timed per kernel and round at most
+
+
+def choose_cpu_linear(weights: list, rounds: int = 7) -> Optional[str]:
+    """Where MEGATRON_EXT_CPU_LINEAR=auto and nothing was chosen yet in this process: time one-row products by
+    `weights` (an engine's decode weights; those oneDNN would take, up to CPU_LINEAR_MEASURE_MB) through oneDNN
+    and through F.linear, interleaved, `rounds` times after a warm-up, and keep oneDNN for the process only where
+    its median is at least 5 % faster. Returns a line saying what was measured and chosen (None: nothing
+    measured, e.g. a GPU, a fixed choice, or no weight big enough)."""
+    global CPU_LINEAR_CHOICE
+    if not CPU_LINEAR_ONEDNN or CPU_LINEAR_CHOICE is not None:
+        return None
+    picked, total = [], 0
+    with torch.inference_mode():
+        for w in weights:
+            w = w.detach()
+            if onednn_linear(w) and total + w.numel() * 4 <= CPU_LINEAR_MEASURE_MB * 2 ** 20:
+                picked.append(w)
+                total += w.numel() * 4
+        if not picked:
+            return None
+        rows = [torch.randn(1, w.size(1)) for w in picked]
+        kinds = {"onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                 "blas": torch.nn.functional.linear}
+        times = {kind: [] for kind in kinds}
+        with without_device_mapping():
+            for _ in range(rounds + 1):
+                for kind, product in kinds.items():
+                    t = time.perf_counter()
+                    for x, w in zip(rows, picked):
+                        product(x, w)
+                    times[kind].append(time.perf_counter() - t)
+    ms = {kind: statistics.median(ts[1:]) * 1e3 for kind, ts in times.items()}
+    CPU_LINEAR_CHOICE = "onednn" if ms["onednn"] < 0.95 * ms["blas"] else "blas"
+    return (f"CPU matrix products by weights of {ONEDNN_LINEAR_MIN_BYTES // 1024} KiB and more through "
+            f"{'oneDNN' if CPU_LINEAR_CHOICE == 'onednn' else 'torch BLAS'}: one-row products by "
+            f"{total / 1e6:.1f} MB of the engine's weights took {ms['onednn']:.2f} ms with oneDNN, "
+            f"{ms['blas']:.2f} ms with torch's BLAS (MEGATRON_EXT_CPU_LINEAR=onednn|blas fixes the choice)")
 
 
 def onednn_linear(weight: torch.Tensor) -> bool:
-    """Whether `linear` sends products by `weight` to oneDNN (an x86 CPU, fp32, contiguous, at least
-    ONEDNN_LINEAR_MIN_BYTES, no gradient being recorded)."""
-    return (CPU_LINEAR_ONEDNN and weight.dtype is torch.float32 and not weight.is_cuda
-            and weight.numel() * 4 >= ONEDNN_LINEAR_MIN_BYTES and not torch.is_grad_enabled()
+    """Whether `linear` sends products by `weight` to oneDNN (an x86 CPU where oneDNN was chosen or not yet
+    measured, fp32, contiguous, at least ONEDNN_LINEAR_MIN_BYTES, no gradient being recorded)."""
+    return (CPU_LINEAR_ONEDNN and CPU_LINEAR_CHOICE != "blas" and weight.dtype is torch.float32
+            and not weight.is_cuda and weight.numel() * 4 >= ONEDNN_LINEAR_MIN_BYTES and not torch.is_grad_enabled()
             and weight.device.type == "cpu" and weight.is_contiguous())
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -647,6 +648,40 @@ class InferenceEngine:
         # and the latest decision per (draft depth, batch bucket, path: "single" or "batched")
         self.draft_costs: dict[tuple, object] = {}
         self.speculation_decisions: dict[tuple, bool] = {}
+        # CPU: which kernel takes products by big weights, measured once per process on this engine's weights
+        self.cpu_linear_note = platform.choose_cpu_linear(self.decode_weights()) if self.device.type == "cpu" \
+            else None
+        if self.cpu_linear_note:  # once per process: only the first engine measures
+            print(f"megatron_ext: {self.cpu_linear_note}", file=sys.stderr, flush=True)
+
+    def decode_weights(self, rotation: int = 0) -> list[torch.Tensor]:
+        """The matrices one decode step (batch 1) multiplies a row by: the attention projections, the router,
+        the shared expert and top-k routed experts of each MoE layer, a dense MLP, the output layer. Norm
+        vectors are left out (a few KB). The routed experts are local experts (rotation * k + i) mod E, i < k:
+        successive rotations read other experts, as successive decode steps routed elsewhere do (so that they
+        come from memory, not from a cache that re-reading the same k would keep them in)."""
+        def matrices(module):
+            return [m.weight for m in module.modules() if torch.is_tensor(getattr(m, "weight", None))
+                    and m.weight.dim() == 2]
+
+        out = []
+        for layer in self.layers:
+            out += matrices(layer.self_attention)
+            mlp = layer.mlp
+            router = getattr(mlp, "router", None)
+            if router is None:
+                out += matrices(mlp)
+                continue
+            out.append(router.weight)
+            if getattr(mlp, "shared_experts", None) is not None:
+                out += matrices(mlp.shared_experts)
+            experts = self._experts[id(mlp)]
+            for i in range(min(router.topk, len(experts))):
+                out += list(experts[(rotation * router.topk + i) % len(experts)])
+        model = self.model
+        out.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                   else model.output_layer.weight)
+        return out
 
     def enable_prefix_store(self, max_mb: float) -> Optional[PrefixStore]:
         """Keep finished rows' caches (at most `max_mb` MB) for prompts that continue them (PrefixStore); 0 turns

@@ -173,15 +173,22 @@ def test_the_floor_times_the_engines_kernels_and_the_table_names_what_it_picks(b
     try:
         model = build_model(args, wrap_ddp=False, init_fn=lambda m: init_layout_invariant_(m, seed=3))[0]
         engine = InferenceEngine(model.eval())
-        weights = bench.decode_weights(engine)
+        weights = engine.decode_weights()
         mb, ms = bench.weight_read_floor(engine, repeats=2)
         # the output layer is the biggest weight: above the threshold picks oneDNN, the rest F.linear
         biggest = max(w.numel() for w in weights) * 4
         monkeypatch.setattr(platform, "ONEDNN_LINEAR_MIN_BYTES", biggest)
+        monkeypatch.setattr(platform, "CPU_LINEAR_CHOICE", "onednn")  # whatever this CPU measured
         table = bench.product_table(engine, rows=(1,), repeats=1)
     finally:
         destroy()
     assert mb == pytest.approx(sum(w.numel() * w.element_size() for w in weights) / 1e6)
+    # each rotation reads other routed experts (as steps routed elsewhere), the same bytes and shapes
+    other = engine.decode_weights(1)
+    assert [w.shape for w in other] == [w.shape for w in weights]
+    moved = {w.data_ptr() for w in other} - {w.data_ptr() for w in weights}
+    moe = [m for m in model.decoder.layers if getattr(m.mlp, "router", None) is not None]
+    assert len(moved) == 2 * sum(min(m.mlp.router.topk, len(engine._experts[id(m.mlp)])) for m in moe) > 0
     assert set(ms) == {"engine", "F.linear", "read"} and all(v > 0 for v in ms.values())
     words = bench.floor_words(mb, ms)
     assert f"{ms['engine']:.2f} ms per token as the engine's one-row products" in words

@@ -3,7 +3,9 @@
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 import megatron_ext
@@ -291,7 +293,7 @@ def test_gloo_worker_threads_start_no_openmp_team_of_their_own():
     assert theirs > made  # torch's own group: a worker's OpenMP team
 
 
-def test_linear_sends_only_big_fp32_products_without_gradients_to_onednn():
+def test_linear_sends_only_big_fp32_products_without_gradients_to_onednn(monkeypatch):
     """`platform.linear` is F.linear up to fp32 summation order. oneDNN takes a product only for an fp32,
     contiguous weight of at least ONEDNN_LINEAR_MIN_BYTES while no gradient is recorded (the op has no
     backward); everything else, training included, stays on F.linear. MEGATRON_EXT_CPU_LINEAR=blas turns it
@@ -304,6 +306,7 @@ def test_linear_sends_only_big_fp32_products_without_gradients_to_onednn():
         assert not platform.CPU_LINEAR_ONEDNN
         return
     assert platform.CPU_LINEAR_ONEDNN
+    monkeypatch.setattr(platform, "CPU_LINEAR_CHOICE", "onednn")  # whatever an engine measured on this CPU
     g = torch.Generator().manual_seed(0)
     big = torch.nn.Parameter(torch.randn(512, 256, generator=g))  # 512 KiB
     small = torch.randn(32, 256, generator=g)
@@ -326,3 +329,55 @@ def test_linear_sends_only_big_fp32_products_without_gradients_to_onednn():
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "MEGATRON_EXT_CPU_LINEAR": "blas"})
     assert off.stdout.strip() == "False", off.stderr[-2000:]
+
+
+def _cpu_linear_in_a_process(code, mode):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_EXT_CPU_LINEAR"}
+    if mode is not None:
+        env["MEGATRON_EXT_CPU_LINEAR"] = mode
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_cpu_linear_kernel_is_the_one_measured_faster_once_per_process(monkeypatch):
+    """MEGATRON_EXT_CPU_LINEAR=auto (the default): the first `choose_cpu_linear` times one-row products by the
+    given weights through oneDNN and torch's BLAS and keeps the faster for the process (oneDNN only when at least
+    5 % faster); later calls measure nothing. A slowed kernel loses; `onednn`/`blas` fix the choice without
+    measuring; anything else is refused with the values to use."""
+    import platform as host
+
+    import torch.nn.functional as F
+
+    if host.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN products are for x86 CPUs")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(512, 256, generator=g) for _ in range(4)] + [torch.randn(16, 16, generator=g)]
+    real_linear = F.linear
+
+    def slow_linear(x, w, *rest):
+        time.sleep(2e-3)
+        return real_linear(x, w, *rest)
+
+    for slowed, expected in (("blas", "onednn"), ("onednn", "blas")):
+        monkeypatch.setattr(platform, "CPU_LINEAR_CHOICE", None)
+        with monkeypatch.context() as m:
+            if slowed == "blas":
+                m.setattr(F, "linear", slow_linear)
+            else:
+                real = torch.ops.mkldnn._linear_pointwise
+                m.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: (time.sleep(2e-3), real(*a))[1])
+            line = platform.choose_cpu_linear(weights, rounds=3)
+        assert platform.CPU_LINEAR_CHOICE == expected, line
+        assert "2.1 MB of the engine's weights" in line  # the four big weights; the small one is never oneDNN's
+        assert ("through oneDNN" if expected == "onednn" else "through torch BLAS") in line
+        assert platform.choose_cpu_linear(weights) is None and platform.CPU_LINEAR_CHOICE == expected
+        with torch.inference_mode():
+            assert platform.onednn_linear(weights[0]) == (expected == "onednn")
+
+    code = ("from megatron_ext import platform; import torch; w = [torch.randn(512, 256)]; "
+            "print(platform.CPU_LINEAR_CHOICE, platform.choose_cpu_linear(w) is None, platform.CPU_LINEAR_CHOICE)")
+    assert _cpu_linear_in_a_process(code, "onednn").stdout.split() == ["onednn", "True", "onednn"]
+    assert _cpu_linear_in_a_process(code, "blas").stdout.split() == ["blas", "True", "blas"]
+    out = _cpu_linear_in_a_process(code, None).stdout.split()
+    assert out[:2] == ["None", "False"] and out[2] in ("onednn", "blas")
+    bad = _cpu_linear_in_a_process(code, "mkl")
+    assert bad.returncode != 0 and "MEGATRON_EXT_CPU_LINEAR='mkl': use one of auto, onednn, blas" in bad.stderr
