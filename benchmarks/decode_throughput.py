@@ -9,8 +9,9 @@
     torch's BLAS for big fp32 weights on an x86 CPU, whichever the engine measured faster), next to the same
     products as `F.linear` (torch's BLAS) and a bare read of the bytes (`sum`), each repeat with other routed
     experts (as steps routed elsewhere); decoding is reported as a fraction of the first. `--only floor` prints
-    just that, without transformers' side. `--only ops` counts the torch ops our decode step issues per token on (a)'s model (the
-    profiler's top-level ops): the per-step host overhead as a number that a busy machine does not change.
+    just that, without transformers' side. `--only ops` counts the torch ops our decode step issues per token
+    on (a)'s model (the profiler's top-level ops): the per-step host overhead as a number that a busy machine
+    does not change.
 (b) MTP speculative decoding ÷ plain decoding, greedy, with the acceptance rate (goals >= 1.8x and >= 0.85).
     With --load CKPT: a checkpoint saved by pretrain_composer.py (architecture from the checkpoint), prompts cut
     at line starts from a --prompts-from text/code file and tokenised with the checkpoint's tokenizer (or
