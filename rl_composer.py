@@ -115,8 +115,9 @@ def main(argv=None):
         if cfg.fleet is not None:  # each worker builds the trainer's model with the same provider, one process
             from megatron_ext.rl.workers import EngineBackendFactory, worker_model_args
 
-            backend = EngineBackendFactory(worker_model_args(args), cfg.speculative,
-                                           cfg.speculative_depth, cfg.speculative_policy)
+            backend = EngineBackendFactory(worker_model_args(args), cfg.speculative, cfg.speculative_depth,
+                                           cfg.speculative_policy,
+                                           cfg.prefix_cache_mb if cfg.max_turns > 1 else 0)
         trainer = RLTrainer(args, cfg, tasks, make_env, log=log, backend_factory=backend)
         if hasattr(make_env, "attach"):  # the swarm's pinned sub-agent policy copies the trainer's weights
             make_env.attach(trainer)

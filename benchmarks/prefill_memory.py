@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.next_turn < 0:
         p.error("--next-turn is a number of tokens")
+    if a.no_prefix_store and not a.next_turn:
+        p.error("--no-prefix-store compares a second turn: give --next-turn N too")
     if a.prompts < 1 or a.tokens < 2 or a.new_tokens < 1:
         p.error("--prompts and --new-tokens must be positive and --tokens at least 2")
 

@@ -225,7 +225,7 @@ class PrefixStore:
             collections.OrderedDict()
         self.by_head: dict[tuple, list[int]] = collections.defaultdict(list)
         self.bytes, self._next = 0, 0
-        self.hits = self.misses = self.reused_tokens = 0
+        self.hits = self.reused_tokens = 0  # prompts that continued an entry, and the tokens they did not prefill
 
     @staticmethod
     def _size(kv: list[torch.Tensor]) -> int:
@@ -267,7 +267,6 @@ class PrefixStore:
                     and prompt[:len(tokens)] == tokens:
                 best = (key, len(tokens))
         if best is None:
-            self.misses += 1
             return None
         kv = self.entries[best[0]][1]
         self._drop(best[0])

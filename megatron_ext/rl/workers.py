@@ -174,7 +174,7 @@ class EngineBackend:
     size 1 in this process; weights until the first `apply` are the initialisation's)."""
 
     def __init__(self, model_args: argparse.Namespace, speculative: bool = False, draft_depth: Optional[int] = None,
-                 speculation_policy: str = "always"):
+                 speculation_policy: str = "always", prefix_cache_mb: float = 0):
         from megatron_ext.inference.engine import InferenceEngine
         from megatron_ext.training.initialize import initialize_distributed
         from megatron_ext.training.step import build_model
@@ -187,8 +187,8 @@ class EngineBackend:
         # MTP speculation (--rl-speculative) decodes request by request: weights then swap between generate calls
         self.generate = EngineGenerate(self.engine, speculative=speculative, draft_depth=draft_depth,
                                        speculation_policy=speculation_policy)
-        if not speculative:  # an episode's next turn continues its last turn's cache (--rl-prefix-cache-mb)
-            self.engine.enable_prefix_store(getattr(model_args, "rl_prefix_cache_mb", 0))
+        if not speculative:  # an episode's next turn continues its last turn's cache (multi-turn runs only)
+            self.engine.enable_prefix_store(prefix_cache_mb)
 
     @property
     def version(self) -> int:
@@ -215,9 +215,11 @@ class EngineBackendFactory:
     speculative: bool = False
     draft_depth: Optional[int] = None
     speculation_policy: str = "always"
+    prefix_cache_mb: float = 0  # --rl-prefix-cache-mb where episodes have several turns, else 0
 
     def __call__(self) -> EngineBackend:
-        return EngineBackend(self.model_args, self.speculative, self.draft_depth, self.speculation_policy)
+        return EngineBackend(self.model_args, self.speculative, self.draft_depth, self.speculation_policy,
+                             self.prefix_cache_mb)
 
 
 # ---- several requests, one engine ----------------------------------------------------------------------------

@@ -755,6 +755,11 @@ def test_prefill_memory_benchmark_generates_the_same_tokens_with_whole_attention
                                               (" (absorbed)", whole)]
     assert len({m.group(5) for m in found}) == 1  # the same tokens on either path, in pieces or whole
     assert all(float(m.group(4)) >= float(m.group(3)) > 0 for m in found)
+    # --no-prefix-store only changes how a second turn is prefilled: alone it is refused, not ignored
+    alone = subprocess.run([sys.executable, "-W", "ignore", "benchmarks/prefill_memory.py", "--no-prefix-store"],
+                           cwd=root, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": root})
+    assert alone.returncode == 2 and "--no-prefix-store compares a second turn: give --next-turn N" in alone.stderr
 
 
 def _count_onednn(monkeypatch):

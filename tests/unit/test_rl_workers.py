@@ -255,3 +255,16 @@ def test_rollout_workers_without_gpus_or_too_big_a_model_are_refused():
     assert gpus >= 16 and planning.rollout_replica_gpus(TINY, planning.GPUS["h200"].memory_gib)[0] == 1
     with pytest.raises(WorkerFailure, match=f"needs {gpus} GPUs .* --rl-remote-servers"):
         check_worker_gpus(1, 1.0, available=8.0, replica_gpus=gpus, model="kimi-k2.5")
+
+
+def test_a_workers_engine_keeps_finished_turns_only_when_asked(ray_model):
+    """The prefix store costs a cache copy per finished row: a worker's engine has one only where the run's
+    episodes have several turns (rl_composer passes --rl-prefix-cache-mb then, 0 otherwise), never when it
+    decodes speculatively."""
+    args, _ = ray_model
+    plain = EngineBackendFactory(worker_model_args(args))()
+    assert plain.engine.prefix_store is None
+    multi = EngineBackendFactory(worker_model_args(args), prefix_cache_mb=64)()
+    assert multi.engine.prefix_store is not None and multi.engine.prefix_store.max_bytes == 64 * 2 ** 20
+    speculative = EngineBackendFactory(worker_model_args(args), speculative=True, prefix_cache_mb=64)()
+    assert speculative.engine.prefix_store is None
