@@ -523,41 +523,56 @@ CPU_LINEAR_CHOICE: Optional[str] = None if _cpu_linear_mode() == "auto" else _cp
 CPU_LINEAR_MEASURE_MB = 256  # bytes of weights timed per kernel and round at most
 
 
-def choose_cpu_linear(weights: list, rounds: int = 7) -> Optional[str]:
+def choose_cpu_linear(weights: list, rounds: int = 7, groups: tuple = ()) -> Optional[str]:
     """Where MEGATRON_EXT_CPU_LINEAR=auto and nothing was chosen yet in this process: time one-row products by
     `weights` (an engine's decode weights; those oneDNN would take, up to CPU_LINEAR_MEASURE_MB) through oneDNN
     and through F.linear, interleaved, `rounds` times after a warm-up, and keep oneDNN for the process only where
-    its median is at least 5 % faster. Returns a line saying what was measured and chosen (None: nothing
-    measured, e.g. a GPU, a fixed choice, or no weight big enough)."""
+    its median is at least 5 % faster. `groups` (process groups whose ranks compute the same model together:
+    tensor and expert parallel) then agree on one kernel, torch's BLAS if any rank chose it, so that replicated
+    products give the same bits on every rank; every rank of them must call this. Returns a line saying what was
+    measured and chosen (None: nothing measured or changed, e.g. a fixed choice or no weight big enough)."""
     global CPU_LINEAR_CHOICE
-    if not CPU_LINEAR_ONEDNN or CPU_LINEAR_CHOICE is not None:
+    if not CPU_LINEAR_ONEDNN or _cpu_linear_mode() != "auto":
         return None
-    picked, total = [], 0
-    with torch.inference_mode():
-        for w in weights:
-            w = w.detach()
-            if onednn_linear(w) and total + w.numel() * 4 <= CPU_LINEAR_MEASURE_MB * 2 ** 20:
-                picked.append(w)
-                total += w.numel() * 4
-        if not picked:
-            return None
-        rows = [torch.randn(1, w.size(1)) for w in picked]
-        kinds = {"onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                 "blas": torch.nn.functional.linear}
-        times = {kind: [] for kind in kinds}
-        with without_device_mapping():
-            for _ in range(rounds + 1):
-                for kind, product in kinds.items():
-                    t = time.perf_counter()
-                    for x, w in zip(rows, picked):
-                        product(x, w)
-                    times[kind].append(time.perf_counter() - t)
-    ms = {kind: statistics.median(ts[1:]) * 1e3 for kind, ts in times.items()}
-    CPU_LINEAR_CHOICE = "onednn" if ms["onednn"] < 0.95 * ms["blas"] else "blas"
+    line = None
+    if CPU_LINEAR_CHOICE is None:
+        picked, total = [], 0
+        with torch.inference_mode():
+            for w in weights:
+                w = w.detach()
+                if onednn_linear(w) and total + w.numel() * 4 <= CPU_LINEAR_MEASURE_MB * 2 ** 20:
+                    picked.append(w)
+                    total += w.numel() * 4
+            g = torch.Generator().manual_seed(0)  # the process's own generator is left as it was
+            rows = [torch.randn(1, w.size(1), generator=g) for w in picked]
+            kinds = {"onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                     "blas": torch.nn.functional.linear}
+            times = {kind: [] for kind in kinds}
+            with without_device_mapping():
+                for _ in range(rounds + 1 if picked else 0):
+                    for kind, product in kinds.items():
+                        t = time.perf_counter()
+                        for x, w in zip(rows, picked):
+                            product(x, w)
+                        times[kind].append(time.perf_counter() - t)
+        if picked:
+            ms = {kind: statistics.median(ts[1:]) * 1e3 for kind, ts in times.items()}
+            CPU_LINEAR_CHOICE = "onednn" if ms["onednn"] < 0.95 * ms["blas"] else "blas"
+            line = (f"one-row products by {total / 1e6:.1f} MB of the engine's weights took {ms['onednn']:.2f} ms "
+                    f"with oneDNN, {ms['blas']:.2f} ms with torch's BLAS")
+    if groups:
+        vote = torch.tensor([1.0 if CPU_LINEAR_CHOICE == "blas" else 0.0])
+        for group in groups:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+        agreed = "blas" if vote.item() > 0 else CPU_LINEAR_CHOICE
+        if agreed != CPU_LINEAR_CHOICE:
+            line = (line + "; " if line else "") + "torch's BLAS, as another rank of its model-parallel groups chose"
+            CPU_LINEAR_CHOICE = agreed
+    if line is None:
+        return None
     return (f"CPU matrix products by weights of {ONEDNN_LINEAR_MIN_BYTES // 1024} KiB and more through "
-            f"{'oneDNN' if CPU_LINEAR_CHOICE == 'onednn' else 'torch BLAS'}: one-row products by "
-            f"{total / 1e6:.1f} MB of the engine's weights took {ms['onednn']:.2f} ms with oneDNN, "
-            f"{ms['blas']:.2f} ms with torch's BLAS (MEGATRON_EXT_CPU_LINEAR=onednn|blas fixes the choice)")
+            f"{'oneDNN' if CPU_LINEAR_CHOICE == 'onednn' else 'torch BLAS'}: {line} "
+            "(MEGATRON_EXT_CPU_LINEAR=onednn|blas fixes the choice)")
 
 
 def onednn_linear(weight: torch.Tensor) -> bool:

@@ -648,8 +648,10 @@ class InferenceEngine:
         self.draft_costs: dict[tuple, object] = {}
         self.speculation_decisions: dict[tuple, bool] = {}
         # CPU: which kernel takes products by big weights, measured once per process on this engine's weights
-        self.cpu_linear_note = platform.choose_cpu_linear(self.decode_weights()) if self.device.type == "cpu" \
-            else None
+        # (ranks of a tensor/expert-parallel group agree on one, so that replicated products match bit for bit)
+        groups = tuple(g for g in (self.groups.tp, self.groups.experts, self.groups.tp) if g is not None)
+        self.cpu_linear_note = platform.choose_cpu_linear(self.decode_weights(), groups=groups) \
+            if self.device.type == "cpu" else None
         if self.cpu_linear_note:  # once per process: only the first engine measures
             print(f"megatron_ext: {self.cpu_linear_note}", file=sys.stderr, flush=True)
 

@@ -180,3 +180,65 @@ def test_tensor_parallel_server_serves_what_one_rank_generates(reference):
         r[1]["choices"][0]["token_ids"] for r in results["n_alone"]]
     assert results["bad"][0] == 400 and "outside the vocabulary" in results["bad"][1]["error"]["message"]
     assert results["sampled"][0] == 200 and len(results["sampled"][1]["choices"][0]["token_ids"]) == 6
+
+
+def _kernel_worker(rank: int, world: int, port: int, flags: list[str], out_dir: str):
+    """Rank 0 finds oneDNN slow, rank 1 torch's BLAS (each slowed by 2 ms a call): alone they would choose
+    differently; the engine makes them agree."""
+    import time
+
+    import torch.nn.functional as F
+
+    from megatron_ext import platform
+    from megatron_ext.inference.engine import InferenceEngine
+    from megatron_ext.training.initialize import destroy
+
+    join(rank, world, port)
+    _, model = invariant_model(flags, world, seed=2)
+    platform.ONEDNN_LINEAR_MIN_BYTES = 0  # the tiny model's weights are all below the real threshold
+    if rank == 0:
+        real = torch.ops.mkldnn._linear_pointwise
+        torch.ops.mkldnn._linear_pointwise = lambda *a: (time.sleep(2e-3), real(*a))[1]
+        alone = platform.choose_cpu_linear([torch.randn(64, 64)])
+        torch.ops.mkldnn._linear_pointwise = real
+    else:
+        real = F.linear
+        F.linear = lambda *a: (time.sleep(2e-3), real(*a))[1]
+        alone = platform.choose_cpu_linear([torch.randn(64, 64)])
+        F.linear = real
+    mine = platform.CPU_LINEAR_CHOICE
+    platform.CPU_LINEAR_CHOICE = None
+    if rank == 0:
+        torch.ops.mkldnn._linear_pointwise = lambda *a: (time.sleep(2e-3), real(*a))[1]
+    else:
+        F.linear = lambda *a: (time.sleep(2e-3), real(*a))[1]
+    engine = InferenceEngine(model)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"alone": mine, "agreed": platform.CPU_LINEAR_CHOICE, "note": engine.cpu_linear_note,
+                   "line": alone}, f)
+    destroy()
+
+
+def test_tensor_parallel_ranks_agree_on_the_cpu_kernel():
+    """Each rank times the CPU kernels on its own shard; ranks that would choose differently (one finds oneDNN
+    faster, the other torch's BLAS) agree on torch's BLAS, so that products every rank repeats give the same
+    bits on each."""
+    import platform as host
+
+    from megatron_ext import platform
+
+    if host.machine().lower() not in ("x86_64", "amd64") or not platform.CPU_LINEAR_ONEDNN \
+            or os.environ.get("MEGATRON_EXT_CPU_LINEAR", "auto") != "auto":
+        pytest.skip("the kernel is measured on x86 CPUs with MEGATRON_EXT_CPU_LINEAR=auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_kernel_worker, args=(2, _free_port(), BASE + LAYOUTS["tp2"], tmp), nprocs=2, join=True,
+                           start_method="spawn")
+        ranks = []
+        for rank in range(2):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+    assert [r["alone"] for r in ranks] == ["blas", "onednn"], ranks
+    assert [r["agreed"] for r in ranks] == ["blas", "blas"], ranks
+    assert "through torch BLAS" in ranks[0]["note"]
+    assert ranks[1]["note"].endswith("torch's BLAS, as another rank of its model-parallel groups chose "
+                                     "(MEGATRON_EXT_CPU_LINEAR=onednn|blas fixes the choice)"), ranks[1]["note"]
