@@ -224,7 +224,7 @@ class PrefixStore:
         self.entries: collections.OrderedDict[int, tuple[list[int], list[torch.Tensor], int]] = \
             collections.OrderedDict()
         self.by_head: dict[tuple, list[int]] = collections.defaultdict(list)
-        self.bytes, self._next = 0, 0
+        self.bytes, self._next, self.version = 0, 0, None
         self.hits = self.reused_tokens = 0  # prompts that continued an entry, and the tokens they did not prefill
 
     @staticmethod
@@ -240,8 +240,11 @@ class PrefixStore:
             del self.by_head[tuple(tokens[:self.HEAD])]
 
     def _forget_other_versions(self, version: int):
-        for key in [k for k, (_, _, v) in self.entries.items() if v != version]:
-            self._drop(key)
+        # every entry has the version of the latest put/take, so a scan is needed only when it changes
+        if version != self.version:
+            for key in list(self.entries):
+                self._drop(key)
+            self.version = version
 
     def put(self, tokens: list[int], kv: list[torch.Tensor], version: int):
         """Keep `kv` (per layer [len(tokens), r + rope], owned by the store) as the cache of `tokens`."""
